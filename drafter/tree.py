@@ -1,0 +1,137 @@
+"""`DraftTree`: the only object the drafter and the target engines share.
+
+A draft tree hangs below the *root*, which is the last accepted token (already in the KV cache, or about to be
+written by this step). Nodes are stored flat, in topological order (every parent comes before its children):
+
+    tokens[i]   int32    token id proposed at node i
+    parents[i]  int32    index of the parent node, or -1 for children of the root
+    probs[i]    float32  calibrated probability that the whole root->i path is accepted
+    depth[i]    int32    1 for children of the root, parent's depth + 1 otherwise
+    source[i]   int16    which candidate source created the node (SOURCE_INPUT, or SOURCE_DATASTORE + k)
+
+Example: root "the" with drafts "cat sat" and "cat ran" and "dog":
+
+    index   0      1      2      3
+    tokens  cat    sat    ran    dog
+    parents -1     0      0      -1
+    depth   1      2      2      1
+
+Verification feeds [root, tokens...] with positions `ctx_len - 1 + [0, depth...]` and a mask in which each node
+sees the cached context, the root, its ancestors and itself (`attention_mask`). The sum of `probs` + 1 predicts the
+tokens a step yields (accepted nodes + the bonus token): the orchestrator budgets with that number.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+SOURCE_INPUT = 0  # prompt + self-output index of the request
+SOURCE_DATASTORE = 1  # datastore k (0-based) is SOURCE_DATASTORE + k
+
+
+class InvalidTreeError(ValueError):
+    """The arrays do not describe a tree (bad parent index, cycle, inconsistent depth or lengths)."""
+
+
+@dataclass(frozen=True, eq=False)
+class DraftTree:
+    tokens: np.ndarray  # int32 [n]
+    parents: np.ndarray  # int32 [n]
+    probs: np.ndarray  # float32 [n]
+    depth: np.ndarray  # int32 [n]
+    source: np.ndarray  # int16 [n]
+
+    @classmethod
+    def empty(cls) -> "DraftTree":
+        return cls.from_arrays(tokens=[], parents=[])
+
+    @classmethod
+    def from_arrays(cls, *, tokens, parents, probs=None, source=None) -> "DraftTree":
+        """Build and validate a tree; `depth` is derived, `probs` default to 1 and `source` to SOURCE_INPUT."""
+        tokens = np.ascontiguousarray(tokens, dtype=np.int32).reshape(-1)
+        parents = np.ascontiguousarray(parents, dtype=np.int32).reshape(-1)
+        n = tokens.shape[0]
+        probs = np.ones(n, np.float32) if probs is None else np.ascontiguousarray(probs, dtype=np.float32).reshape(-1)
+        source = (
+            np.full(n, SOURCE_INPUT, np.int16) if source is None else np.ascontiguousarray(source, np.int16).reshape(-1)
+        )
+        if not (parents.shape[0] == probs.shape[0] == source.shape[0] == n):
+            raise InvalidTreeError(
+                f"tree arrays differ in length: tokens {n}, parents {parents.shape[0]}, probs {probs.shape[0]}, "
+                f"source {source.shape[0]}"
+            )
+        bad = np.nonzero((parents < -1) | (parents >= np.arange(n)))[0]
+        if bad.size:
+            i = int(bad[0])
+            raise InvalidTreeError(
+                f"node {i} has parent {int(parents[i])}: a parent must be -1 (the root) or an earlier node index "
+                "(nodes are stored parents-first, which also rules out cycles)"
+            )
+        depth = np.empty(n, np.int32)
+        for i in range(n):  # O(n) and n is a per-request node budget (tens), not a token stream
+            depth[i] = 1 if parents[i] < 0 else depth[parents[i]] + 1
+        return cls(tokens=tokens, parents=parents, probs=probs, depth=depth, source=source)
+
+    @classmethod
+    def chain(cls, tokens, probs=None) -> "DraftTree":
+        """A linear draft (each node the child of the previous one)."""
+        n = len(tokens)
+        return cls.from_arrays(tokens=tokens, parents=np.arange(-1, n - 1), probs=probs)
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def expected_accepted(self) -> float:
+        """Calibrated expected number of accepted draft tokens (excluding the bonus token)."""
+        return float(self.probs.sum(dtype=np.float64))
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise InvalidTreeError unless the arrays form a parents-first tree with consistent depth and token ids."""
+        n = len(self)
+        for name in ("parents", "probs", "depth", "source"):
+            if getattr(self, name).shape != (n,):
+                raise InvalidTreeError(f"`{name}` has shape {getattr(self, name).shape}, expected ({n},)")
+        idx = np.arange(n)
+        if np.any((self.parents < -1) | (self.parents >= idx)):
+            i = int(np.nonzero((self.parents < -1) | (self.parents >= idx))[0][0])
+            raise InvalidTreeError(f"node {i} has parent {int(self.parents[i])}; expected -1 or an index below {i}")
+        parent_depth = np.where(self.parents < 0, 0, self.depth[np.maximum(self.parents, 0)])
+        if np.any(self.depth != parent_depth + 1):
+            i = int(np.nonzero(self.depth != parent_depth + 1)[0][0])
+            raise InvalidTreeError(f"node {i} has depth {int(self.depth[i])}, its parent's depth + 1 is {parent_depth[i] + 1}")
+        if vocab_size is not None and n and (self.tokens.min() < 0 or self.tokens.max() >= vocab_size):
+            raise InvalidTreeError(f"tree token ids must lie in [0, {vocab_size}); got {self.tokens.min()}..{self.tokens.max()}")
+
+    def ancestor_mask(self) -> np.ndarray:
+        """bool [n, n]: mask[i, j] is True when node j is node i or one of its ancestors."""
+        n = len(self)
+        mask = np.zeros((n, n), dtype=bool)
+        for i in range(n):  # parents-first order: a node's row is its parent's row plus itself
+            p = self.parents[i]
+            if p >= 0:
+                mask[i] = mask[p]
+            mask[i, i] = True
+        return mask
+
+    def attention_mask(self) -> np.ndarray:
+        """bool [n+1, n+1] over [root, nodes...]: every row sees the root, nodes also see their ancestors and self."""
+        n = len(self)
+        mask = np.zeros((n + 1, n + 1), dtype=bool)
+        mask[:, 0] = True
+        mask[1:, 1:] = self.ancestor_mask()
+        return mask
+
+    def position_offsets(self) -> np.ndarray:
+        """int32 [n+1]: offsets from the root's position for [root, nodes...]."""
+        return np.concatenate([np.zeros(1, np.int32), self.depth])
+
+    def path_to(self, node: int) -> np.ndarray:
+        """Node indices from the root's child down to `node` (inclusive)."""
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = int(self.parents[node])
+        return np.asarray(path[::-1], dtype=np.int32)

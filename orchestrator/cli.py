@@ -1,0 +1,50 @@
+"""`retrospec` command line: one entry point with subcommands.
+
+Subcommands register themselves in `COMMANDS`; each takes its own argv so a package's CLI also runs standalone
+(`build-datastore ...` is `retrospec build-datastore ...`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+
+def _model(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="retrospec model", description="Manage target models.")
+    sub = parser.add_subparsers(dest="action", required=True)
+    prep = sub.add_parser("prepare", help="convert the default model (SmolLM2-135M-Instruct GGUF) into the cache")
+    prep.add_argument("--force", action="store_true", help="rebuild even if a complete copy exists")
+    prep.add_argument("--verify", action="store_true", help="check file hashes, not just sizes")
+    args = parser.parse_args(argv)
+    from trt_engines.prepare import prepare_default_model
+
+    prepare_default_model(force=args.force, verify=args.verify)
+    return 0
+
+
+def _build_datastore(argv: Sequence[str]) -> int:
+    from datastore.cli import main as build_main
+
+    return build_main(list(argv))
+
+
+COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
+    "model": (_model, "prepare target models (`retrospec model prepare`)"),
+    "build-datastore": (_build_datastore, "build a suffix-array datastore from corpora"),
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        lines = [f"  {name:<16} {help_}" for name, (_, help_) in COMMANDS.items()]
+        print("usage: retrospec COMMAND [ARGS]\n\ncommands:\n" + "\n".join(lines))
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    handler, _ = COMMANDS[argv[0]]
+    return handler(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""retrospec: trt_engines."""
