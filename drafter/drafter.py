@@ -1,0 +1,207 @@
+"""`Drafter`: SSSD-style draft trees for a whole batch, from prompt + self-output and datastores, no draft model.
+
+Vocabulary
+    request       one generation stream; the drafter indexes its prompt and every accepted token
+                  (`start_request`, `extend`, `stop_request`).
+    budget        the number of tree nodes (root excluded) the caller allows for one request this step; 0 means
+                  "do not speculate" and yields an empty tree.
+    sources       "fused" (input index + every datastore, one tree), "input" or "datastore" only.
+    DraftResult   the tree plus what calibration needs per node: raw fusion score and matched suffix length
+                  (`source` and `depth` are in the tree).
+
+Worked example:
+    ds = Datastore.open(path)
+    drafter = Drafter(DrafterConfig(), datastores=[ds])          # loads <path>/calibration.json if present
+    drafter.start_request("r1", prompt_ids)
+    trees = drafter.draft([("r1", 32)])                          # one DraftTree per (request, budget)
+    drafter.extend("r1", accepted_ids)                           # accepted path + bonus token
+    drafter.stop_request("r1")
+
+`trees[i].probs` are calibrated path-acceptance probabilities, so `trees[i].expected_accepted + 1` predicts the
+tokens the step yields.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, KeysView, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numba
+import numpy as np
+
+from drafter.calibration import CalibrationMap
+from drafter.datastore_source import DatastoreSource, sssd_branch_length
+from drafter.fusion import fuse_one
+from drafter.input_index import InputIndex
+from drafter.tree import DraftTree
+
+SOURCES = ("fused", "input", "datastore")
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """SSSD defaults (sssd-notes §1.3, §2)."""
+
+    sources: str = "fused"  # "fused" | "input" | "datastore"
+    query_len: int = 4  # q: suffix length looked up in both sources
+    input_depth: int = 8  # L: continuation depth from the input index
+    input_max_tokens: int = 16384  # per-request memory cap of the input index (oldest tokens dropped beyond)
+    input_scale: float = 0.6  # input score at depth 1 = input_scale * c(child) / c(node)
+    delta_base: float = 0.6  # deeper input levels are damped by delta(m) = delta_base + delta_step * m
+    delta_step: float = 0.1
+    datastore_samples: int = 100  # K: continuations sampled per lookup
+    backoff_threshold: int = 50  # keep shortening the prefix while the merged trie has fewer continuations
+    datastore_branch_len: int | None = None  # None: SSSD schedule by budget (sssd_branch_length)
+    fanout: int = 5  # max children per tree node (also capped by the budget)
+    max_budget: int = 64
+    # numba threads while drafting (datastore kernels); 1 = serial. A batch is ~1 ms of work, and on a small shared
+    # host waking numba's thread pool cost 5-16 ms per launch (measured), so more threads only pay on big hosts.
+    num_threads: int = 1
+
+    def __post_init__(self):
+        if self.sources not in SOURCES:
+            raise ValueError(f"sources must be one of {SOURCES}, got {self.sources!r}")
+        for name in ("query_len", "input_depth", "datastore_samples", "fanout", "max_budget", "num_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"DrafterConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.datastore_branch_len is not None and self.datastore_branch_len < 1:
+            raise ValueError("DrafterConfig.datastore_branch_len must be >= 1 or None (SSSD schedule)")
+        if not (0 < self.input_scale <= 1 and self.delta_base > 0 and self.delta_step >= 0):
+            raise ValueError("need 0 < input_scale <= 1, delta_base > 0 and delta_step >= 0")
+
+
+@dataclass(frozen=True, eq=False)
+class DraftResult:
+    tree: DraftTree
+    raw_score: np.ndarray  # float32 [n] uncalibrated fusion score of each node
+    match_len: np.ndarray  # int32 [n] matched suffix / prefix length of the node's source
+
+
+class Drafter:
+    """Batch drafter over an input index and any number of datastores (each datastore is its own source)."""
+
+    def __init__(self, config: DrafterConfig = DrafterConfig(), *, datastores: Sequence = (),
+                 calibration: CalibrationMap | None = None, vocab_size: int | None = None):
+        self.config = config
+        self.datastores = list(datastores)
+        vocabs = {int(ds.vocab_size) for ds in self.datastores}
+        if len(vocabs) > 1:
+            raise ValueError(f"attached datastores disagree on vocab_size: {sorted(vocabs)}")
+        if vocabs and vocab_size is not None and vocab_size not in vocabs:
+            raise ValueError(f"vocab_size={vocab_size} differs from the datastores' {vocabs.pop()}")
+        self.vocab_size = vocab_size if vocab_size is not None else (vocabs.pop() if vocabs else None)
+        if config.sources != "input" and not self.datastores:
+            raise ValueError(f"sources={config.sources!r} needs at least one datastore; pass datastores=[...] or "
+                             "use DrafterConfig(sources='input')")
+        if calibration is None:
+            path = getattr(self.datastores[0], "path", None) if self.datastores else None
+            calibration = CalibrationMap.for_datastore(path) if path is not None else CalibrationMap.identity()
+        self.calibration = calibration
+        self._cal_tables = calibration.tables(1 + len(self.datastores))
+        self._index = InputIndex(query_len=config.query_len, depth=config.input_depth,
+                                 max_tokens=config.input_max_tokens, vocab_size=self.vocab_size)
+        self._ds_source = DatastoreSource(self.datastores, query_len=config.query_len,
+                                          samples=config.datastore_samples, threshold=config.backoff_threshold)
+        self._warm_up()
+
+    # ---- lifecycle (forwarded to the input index) -----------------------------------------------------------
+    @property
+    def active_requests(self) -> KeysView:
+        return self._index.active_requests
+
+    def start_request(self, request_id: Hashable, prompt_ids) -> None:
+        self._index.start_request(request_id, prompt_ids)
+
+    def extend(self, request_id: Hashable, accepted_ids) -> None:
+        self._index.extend(request_id, accepted_ids)
+
+    def stop_request(self, request_id: Hashable) -> None:
+        self._index.stop_request(request_id)
+
+    @property
+    def input_index(self) -> InputIndex:
+        return self._index
+
+    # ---- drafting --------------------------------------------------------------------------------------------
+    def draft(self, batch: Sequence[tuple[Hashable, int]]) -> list[DraftTree]:
+        """One DraftTree per (request id, budget), in batch order."""
+        return [r.tree for r in self.draft_detailed(batch)]
+
+    def draft_detailed(self, batch: Sequence[tuple[Hashable, int]]) -> list[DraftResult]:
+        """Like `draft`, plus raw scores and match lengths per node (for calibration logging)."""
+        cfg = self.config
+        seqs, budgets = self._check_batch(batch)
+        B = len(seqs)
+        use_input = cfg.sources != "datastore"
+        if cfg.sources != "input" and B:
+            lengths = np.array([0 if b == 0 else (cfg.datastore_branch_len or sssd_branch_length(b))
+                                for b in budgets], np.int32)
+            prefixes = [s.buf[max(0, s.n - cfg.query_len) : s.n] for s in seqs]
+            saved = numba.get_num_threads()
+            numba.set_num_threads(min(cfg.num_threads, numba.config.NUMBA_NUM_THREADS))
+            try:
+                cand = self._ds_source.lookup(prefixes, lengths)
+            finally:
+                numba.set_num_threads(saved)
+        else:
+            cand = self._ds_source_empty(B)
+        lookup, kx, ky, kn = self._cal_tables
+        out = []
+        cap = max(budgets, default=0)
+        o_tok = np.empty(cap, np.int32)
+        o_par = np.empty(cap, np.int32)
+        o_prob = np.empty(cap, np.float32)
+        o_depth = np.empty(cap, np.int32)
+        o_src = np.empty(cap, np.int16)
+        o_raw = np.empty(cap, np.float32)
+        o_mlen = np.empty(cap, np.int32)
+        for b, (s, budget) in enumerate(zip(seqs, budgets)):
+            n = fuse_one(
+                s.buf, s.n if use_input else 0, s.tok, s.cnt, s.first, s.sib, s.hkeys, s.hvals,
+                cfg.query_len, cfg.input_depth, cfg.input_scale, cfg.delta_base, cfg.delta_step,
+                cand.tok, cand.cnt, cand.first, cand.sib, cand.roots[b], cand.match_len[b],
+                budget, cfg.fanout, lookup, kx, ky, kn,
+                o_tok, o_par, o_prob, o_depth, o_src, o_raw, o_mlen,
+            )
+            tree = DraftTree(tokens=o_tok[:n].copy(), parents=o_par[:n].copy(), probs=o_prob[:n].copy(),
+                             depth=o_depth[:n].copy(), source=o_src[:n].copy())
+            out.append(DraftResult(tree=tree, raw_score=o_raw[:n].copy(), match_len=o_mlen[:n].copy()))
+        return out
+
+    # ---- internals -------------------------------------------------------------------------------------------
+    def _check_batch(self, batch):
+        seqs, budgets, seen = [], [], set()
+        for item in batch:
+            try:
+                rid, budget = item
+            except (TypeError, ValueError):
+                raise ValueError(f"batch items must be (request_id, budget) pairs, got {item!r}") from None
+            if not isinstance(budget, (int, np.integer)) or isinstance(budget, bool):
+                raise ValueError(f"budget for request {rid!r} must be an int, got {budget!r}")
+            if budget < 0:
+                raise ValueError(f"budget for request {rid!r} is {budget}; it must be >= 0 (0 = no speculation)")
+            if budget > self.config.max_budget:
+                raise ValueError(f"budget for request {rid!r} is {budget}, above DrafterConfig.max_budget="
+                                 f"{self.config.max_budget}; raise max_budget or lower the budget")
+            if rid in seen:
+                raise ValueError(f"request {rid!r} appears twice in the batch")
+            seen.add(rid)
+            seqs.append(self._index._get(rid))
+            budgets.append(int(budget))
+        return seqs, budgets
+
+    def _ds_source_empty(self, B: int):
+        empty = DatastoreSource([], query_len=self.config.query_len)
+        c = empty.lookup([np.empty(0, np.int32)] * B, np.zeros(B, np.int32))
+        return c
+
+    def _warm_up(self) -> None:
+        """Compile (or load cached) numba kernels now, so no request pays for it."""
+        rid = object()
+        vocab = self.vocab_size or 2
+        self._index.start_request(rid, np.arange(2 * self.config.query_len + 4, dtype=np.int32) % vocab)
+        try:
+            self.draft([(rid, 2)])
+        finally:
+            self._index.stop_request(rid)

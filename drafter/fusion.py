@@ -1,0 +1,246 @@
+"""Fusion: SSSD Algorithm 1 — best-first growth of ONE draft tree from every candidate source.
+
+Vocabulary
+    candidate trie  a count-trie per source, in flat arrays `tok, cnt, first (child), sib (next sibling)`:
+                    the request's input index (prompt + self-output) and one small merged trie per datastore.
+    entry           a heap item: "put token `tok` under tree node `at`; it comes from trie node `ref` of source
+                    `src`, has raw score `raw` and calibrated key `key`".
+    raw score       conditional frequency count(child) / count(parent) multiplied along the path. Input-source
+                    scores are scaled by `input_scale` (0.6) at depth 1 and damped by delta(m) = 0.6 + 0.1 m at every
+                    deeper level (m = length of the matched suffix). Datastore scores are plain frequencies.
+    key             calibrated raw score, capped by the tree parent's probability, so probabilities never increase
+                    along a path (the heap is then a true best-first order over path probabilities).
+
+Algorithm (sssd-notes §2.1): push the children of every matched input suffix node (m = q..1) and of every datastore
+root; then pop the best entry (ties: deeper first, then lower token, lower source id, longer match, lower tree
+parent); insert its token under its tree parent, or reuse the existing node with the same token (two sources that
+agree make one node; scores are not summed); a parent already holding `fanout` children rejects new tokens; while the
+tree is below budget, push the popped entry's trie children under the (new or reused) node. Stop at the budget or
+when the heap is empty.
+
+Worked example (budget 2, fanout 5): input matched m=1 with children {x: 3, y: 1} -> keys 0.45, 0.15; the datastore
+root has {x: 60, z: 40} -> keys 0.6, 0.4. Pops: x (0.6, datastore) -> node 0, its datastore children are pushed;
+x (0.45, input) is the same token under the same parent, so it is merged into node 0 and its input children are pushed
+there too; the best of z (0.4) and those children becomes node 1, and the budget is reached.
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+from drafter.input_index import trie_child
+
+# entry columns (float64 [cap, 9]; integer fields are exact in float64)
+_KEY, _RAW, _DEPTH, _TOK, _REF, _SRC, _AT, _DELTA, _MLEN = range(9)
+
+
+@nb.njit(cache=True)
+def calibrate(src, depth, mlen, raw, lookup, kx, ky, kn):
+    """Piecewise-linear calibration of one raw score (identity when the lookup table has no curve)."""
+    v = min(max(raw, 0.0), 1.0)
+    if src >= lookup.shape[0]:
+        return v
+    d = min(depth, lookup.shape[1]) - 1
+    b = min(max(mlen, 1), lookup.shape[2]) - 1
+    ci = lookup[src, d, b]
+    if ci < 0:
+        return v
+    n = kn[ci]
+    if raw <= kx[ci, 0]:
+        return ky[ci, 0]
+    if raw >= kx[ci, n - 1]:
+        return ky[ci, n - 1]
+    lo = 0
+    hi = n - 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if kx[ci, mid] <= raw:
+            lo = mid
+        else:
+            hi = mid
+    t = (raw - kx[ci, lo]) / (kx[ci, hi] - kx[ci, lo])
+    return ky[ci, lo] + t * (ky[ci, hi] - ky[ci, lo])
+
+
+@nb.njit(cache=True, inline="always")
+def _better(ent, a, b):
+    if ent[a, _KEY] != ent[b, _KEY]:
+        return ent[a, _KEY] > ent[b, _KEY]
+    if ent[a, _DEPTH] != ent[b, _DEPTH]:
+        return ent[a, _DEPTH] > ent[b, _DEPTH]
+    # remaining ties: a total order that does not depend on trie sibling order (reproducible by a reference)
+    if ent[a, _TOK] != ent[b, _TOK]:
+        return ent[a, _TOK] < ent[b, _TOK]
+    if ent[a, _SRC] != ent[b, _SRC]:
+        return ent[a, _SRC] < ent[b, _SRC]
+    if ent[a, _MLEN] != ent[b, _MLEN]:
+        return ent[a, _MLEN] > ent[b, _MLEN]
+    if ent[a, _AT] != ent[b, _AT]:
+        return ent[a, _AT] < ent[b, _AT]
+    return a < b
+
+
+@nb.njit(cache=True)
+def _push(ent, heap, n_ent, n_heap, key, raw, depth, tok, ref, src, at, delta, mlen):
+    """Append an entry and sift it up; returns possibly reallocated (ent, heap)."""
+    if n_ent == ent.shape[0]:
+        bigger = np.empty((2 * ent.shape[0], ent.shape[1]), np.float64)
+        bigger[:n_ent] = ent
+        ent = bigger
+        h2 = np.empty(2 * heap.shape[0], np.int64)
+        h2[:n_heap] = heap[:n_heap]
+        heap = h2
+    e = ent[n_ent]
+    e[_KEY], e[_RAW], e[_DEPTH], e[_TOK], e[_REF] = key, raw, depth, tok, ref
+    e[_SRC], e[_AT], e[_DELTA], e[_MLEN] = src, at, delta, mlen
+    i = n_heap
+    heap[i] = n_ent
+    while i > 0:
+        p = (i - 1) // 2
+        if _better(ent, heap[i], heap[p]):
+            heap[i], heap[p] = heap[p], heap[i]
+            i = p
+        else:
+            break
+    return ent, heap
+
+
+@nb.njit(cache=True)
+def _pop(ent, heap, n_heap):
+    top = heap[0]
+    n_heap -= 1
+    heap[0] = heap[n_heap]
+    i = 0
+    while True:
+        l = 2 * i + 1
+        if l >= n_heap:
+            break
+        c = l
+        if l + 1 < n_heap and _better(ent, heap[l + 1], heap[l]):
+            c = l + 1
+        if _better(ent, heap[c], heap[i]):
+            heap[i], heap[c] = heap[c], heap[i]
+            i = c
+        else:
+            break
+    return top
+
+
+@nb.njit(cache=True)
+def fuse_one(
+    # input source: the request's count-trie (n_seq = 0 disables it)
+    seq, n_seq, itok, icnt, ifirst, isib, hkeys, hvals,
+    query_len, input_depth, input_scale, delta_base, delta_step,
+    # datastore sources: global flat tries, one root per datastore (-1 = nothing retrieved)
+    dtok, dcnt, dfirst, dsib, ds_roots, ds_mlen,
+    # growth
+    budget, fanout,
+    # calibration tables (CalibrationMap.tables)
+    lookup, kx, ky, kn,
+    # outputs, each of length >= budget
+    o_tok, o_par, o_prob, o_depth, o_src, o_raw, o_mlen,
+):
+    """Grow one tree; returns its node count. Node i: o_* [i] (parents-first order)."""
+    if budget <= 0:
+        return 0
+    fan = min(fanout, budget)
+    ent = np.empty((64, 9), np.float64)
+    heap = np.empty(64, np.int64)
+    n_ent = 0
+    n_heap = 0
+    # ---- seed: children of every matched input suffix, then of every datastore root
+    for m in range(min(query_len, n_seq), 0, -1):
+        node = np.int64(0)
+        for i in range(n_seq - m, n_seq):
+            node = trie_child(hkeys, hvals, node, seq[i])
+        occ = icnt[node] - 1  # the query itself is the newest occurrence and has no continuation
+        if occ <= 0:
+            continue
+        delta = delta_base + delta_step * m
+        c = ifirst[node]
+        while c >= 0:
+            raw = input_scale * icnt[c] / occ
+            key = min(calibrate(0, 1, m, raw, lookup, kx, ky, kn), 1.0)
+            ent, heap = _push(ent, heap, n_ent, n_heap, key, raw, 1, itok[c], c, 0, -1, delta, m)
+            n_ent += 1
+            n_heap += 1
+            c = isib[c]
+    for k in range(ds_roots.shape[0]):
+        r = ds_roots[k]
+        if r < 0 or dcnt[r] <= 0:
+            continue
+        c = dfirst[r]
+        while c >= 0:
+            raw = dcnt[c] / dcnt[r]
+            key = min(calibrate(1 + k, 1, ds_mlen[k], raw, lookup, kx, ky, kn), 1.0)
+            ent, heap = _push(ent, heap, n_ent, n_heap, key, raw, 1, dtok[c], c, 1 + k, -1, 1.0, ds_mlen[k])
+            n_ent += 1
+            n_heap += 1
+            c = dsib[c]
+    # ---- best-first growth
+    t_first = np.full(budget, -1, np.int32)
+    t_sib = np.full(budget, -1, np.int32)
+    t_nch = np.zeros(budget, np.int32)
+    root_first = -1
+    root_nch = 0
+    n = 0
+    while n_heap > 0 and n < budget:
+        e = _pop(ent, heap, n_heap)
+        n_heap -= 1
+        at = np.int64(ent[e, _AT])
+        tok = np.int32(ent[e, _TOK])
+        c = root_first if at < 0 else t_first[at]
+        while c >= 0 and o_tok[c] != tok:
+            c = t_sib[c]
+        if c < 0:
+            if (root_nch if at < 0 else t_nch[at]) >= fan:
+                continue  # the parent is full: this token loses to better-scored siblings
+            c = n
+            n += 1
+            o_tok[c] = tok
+            o_par[c] = at
+            o_prob[c] = ent[e, _KEY]
+            o_depth[c] = np.int32(ent[e, _DEPTH])
+            o_src[c] = np.int16(ent[e, _SRC])
+            o_raw[c] = ent[e, _RAW]
+            o_mlen[c] = np.int32(ent[e, _MLEN])
+            if at < 0:
+                t_sib[c] = root_first
+                root_first = c
+                root_nch += 1
+            else:
+                t_sib[c] = t_first[at]
+                t_first[at] = c
+                t_nch[at] += 1
+        if n >= budget:
+            break
+        # children of the entry's trie node go under tree node c (new, or reused when sources agree)
+        src = np.int64(ent[e, _SRC])
+        ref = np.int64(ent[e, _REF])
+        raw_p = ent[e, _RAW]
+        delta = ent[e, _DELTA]
+        mlen = np.int64(ent[e, _MLEN])
+        depth = o_depth[c] + 1
+        pprob = np.float64(o_prob[c])
+        if src == 0:
+            if depth > input_depth:
+                continue
+            ch = ifirst[ref]
+            while ch >= 0:
+                raw = raw_p * icnt[ch] / icnt[ref] * delta
+                key = min(calibrate(0, depth, mlen, raw, lookup, kx, ky, kn), pprob)
+                ent, heap = _push(ent, heap, n_ent, n_heap, key, raw, depth, itok[ch], ch, 0, c, delta, mlen)
+                n_ent += 1
+                n_heap += 1
+                ch = isib[ch]
+        else:
+            ch = dfirst[ref]
+            while ch >= 0:
+                raw = raw_p * dcnt[ch] / dcnt[ref]
+                key = min(calibrate(src, depth, mlen, raw, lookup, kx, ky, kn), pprob)
+                ent, heap = _push(ent, heap, n_ent, n_heap, key, raw, depth, dtok[ch], ch, src, c, 1.0, mlen)
+                n_ent += 1
+                n_heap += 1
+                ch = dsib[ch]
+    return n

@@ -1,0 +1,296 @@
+"""Per-request index of prompt + self-output: a depth-limited count-trie that grows as tokens are accepted.
+
+Vocabulary
+    sequence      the prompt followed by every accepted output token of one request, as ONE token stream (so an
+                  n-gram may cross the prompt/output boundary).
+    window        the n-grams of length <= D = query_len + depth ending at each position. Appending one token adds
+                  the D n-grams that end at it, so the index grows in O(D) per new token.
+    count-trie    node = an n-gram (the path from the root); `count` = how many times that n-gram occurs in the
+                  sequence. A node's children are the tokens that followed it.
+    suffix match  for the last q tokens (q = query_len), every suffix length m = q..1 whose m-gram also occurs
+                  EARLIER in the sequence. Its continuations (up to `depth` tokens) are the subtree under the m-gram's
+                  node; because the newest occurrence (the query itself) is followed by nothing, the number of earlier
+                  occurrences is count(node) - 1, and it equals the sum of the children's counts.
+
+Worked example (query_len=2, depth=2): sequence `a b c a b d a b`.
+    last 2 tokens `a b` occur twice before: followed by `c a` and `d a`  -> m=2: {c: 1, c a: 1, d: 1, d a: 1}
+    last 1 token  `b`   occurs twice before: the same continuations     -> m=1: the same counts
+A match near the end of the sequence has a shorter continuation (the window is not complete yet): that is correct,
+it is exactly what has been seen so far.
+
+Memory is bounded by `max_tokens` per request: when a request outgrows it, the oldest quarter of its tokens is dropped
+and the trie is rebuilt from the rest (amortised O(D) per token). Lifecycle (ArcticInference style): `start_request`,
+`extend`, `stop_request`; misuse raises `ValueError` and changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, KeysView
+from dataclasses import dataclass
+
+import numba as nb
+import numpy as np
+
+_EMPTY = np.int64(-1)
+_HASH_MULT = np.uint64(0x9E3779B97F4A7C15)
+
+
+@nb.njit(cache=True, inline="always")
+def _slot(key, mask):
+    return np.int64((np.uint64(key) * _HASH_MULT) >> np.uint64(29)) & mask
+
+
+@nb.njit(cache=True)
+def trie_child(hkeys, hvals, parent, token):
+    """Node index of `token` under `parent`, or -1 (open addressing with linear probing)."""
+    key = (np.int64(parent) << 31) | np.int64(token)
+    mask = hkeys.shape[0] - 1
+    s = _slot(key, mask)
+    while True:
+        k = hkeys[s]
+        if k == key:
+            return np.int64(hvals[s])
+        if k == -1:
+            return np.int64(-1)
+        s = (s + 1) & mask
+
+
+@nb.njit(cache=True)
+def _hash_put(hkeys, hvals, key, value):
+    mask = hkeys.shape[0] - 1
+    s = _slot(key, mask)
+    while hkeys[s] != -1:
+        s = (s + 1) & mask
+    hkeys[s] = key
+    hvals[s] = value
+
+
+@nb.njit(cache=True)
+def _rehash(hkeys, hvals, par, tok, n_nodes):
+    hkeys[:] = -1
+    for c in range(1, n_nodes):
+        _hash_put(hkeys, hvals, (np.int64(par[c]) << 31) | np.int64(tok[c]), c)
+
+
+@nb.njit(cache=True)
+def _append(new, buf, n, tok, cnt, par, first, sib, n_nodes, hkeys, hvals, active):
+    """Append `new` to the sequence; capacities were ensured by the caller. Returns the new node count.
+
+    active[j] is the node of the last j tokens (active[0] = root = 0, -1 while the sequence is shorter than j).
+    Each appended token t extends every suffix: node(last j+1) = child(active[j], t), count + 1.
+    """
+    D = active.shape[0]
+    for i in range(new.shape[0]):
+        t = new[i]
+        for j in range(D - 1, -1, -1):  # descending: active[j] is read before active[j] is overwritten (by j-1)
+            p = active[j]
+            if p < 0:
+                continue
+            key = (np.int64(p) << 31) | np.int64(t)
+            c = trie_child(hkeys, hvals, p, t)
+            if c < 0:
+                c = n_nodes
+                n_nodes += 1
+                tok[c] = t
+                cnt[c] = 0
+                par[c] = p
+                first[c] = -1
+                sib[c] = first[p]
+                first[p] = c
+                _hash_put(hkeys, hvals, key, c)
+            cnt[c] += 1
+            if j + 1 < D:
+                active[j + 1] = c
+        buf[n + i] = t
+    return n_nodes
+
+
+class _Seq:
+    """Arrays of one request's index (owned by InputIndex; read directly by the fusion kernel)."""
+
+    __slots__ = ("buf", "n", "total", "tok", "cnt", "par", "first", "sib", "n_nodes", "hkeys", "hvals", "active")
+
+    def __init__(self, window: int, token_cap: int):
+        node_cap = 1 + window * max(token_cap, 16)
+        self.buf = np.empty(max(token_cap, 16), np.int32)
+        self.n = 0
+        self.total = 0
+        self.tok = np.empty(node_cap, np.int32)
+        self.cnt = np.empty(node_cap, np.int32)
+        self.par = np.empty(node_cap, np.int32)
+        self.first = np.empty(node_cap, np.int32)
+        self.sib = np.empty(node_cap, np.int32)
+        self.tok[0], self.cnt[0], self.par[0], self.first[0], self.sib[0] = -1, 0, -1, -1, -1
+        self.n_nodes = 1
+        self.hkeys = np.full(_pow2(2 * node_cap), -1, np.int64)
+        self.hvals = np.empty(self.hkeys.shape[0], np.int32)
+        self.active = np.full(window, -1, np.int32)
+        self.active[0] = 0
+
+    def reserve(self, k: int) -> None:
+        """Grow buffers so that k more tokens fit (amortised doubling)."""
+        D = self.active.shape[0]
+        if self.n + k > self.buf.shape[0]:
+            self.buf = _grow(self.buf, self.n + k)
+        need = self.n_nodes + D * k
+        if need > self.tok.shape[0]:
+            for name in ("tok", "cnt", "par", "first", "sib"):
+                setattr(self, name, _grow(getattr(self, name), need))
+        if 2 * need > self.hkeys.shape[0]:
+            self.hkeys = np.full(_pow2(2 * self.tok.shape[0]), -1, np.int64)
+            self.hvals = np.empty(self.hkeys.shape[0], np.int32)
+            _rehash(self.hkeys, self.hvals, self.par, self.tok, self.n_nodes)
+
+    def append(self, new: np.ndarray) -> None:
+        self.reserve(new.shape[0])
+        self.n_nodes = _append(
+            new, self.buf, self.n, self.tok, self.cnt, self.par, self.first, self.sib, self.n_nodes,
+            self.hkeys, self.hvals, self.active,
+        )
+        self.n += new.shape[0]
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(4, int(x - 1).bit_length())
+
+
+def _grow(a: np.ndarray, need: int) -> np.ndarray:
+    b = np.empty(max(need, 2 * a.shape[0]), a.dtype)
+    b[: a.shape[0]] = a
+    return b
+
+
+@dataclass(frozen=True)
+class SuffixMatch:
+    """Continuations of one matching suffix length (debug/test view, built in Python: not for the hot path).
+
+    `occurrences` = earlier occurrences of the last `m` tokens; `counts[path]` = how many of them were followed by
+    `path` (a tuple of 1..depth tokens).
+    """
+
+    m: int
+    occurrences: int
+    counts: dict[tuple[int, ...], int]
+
+
+class InputIndex:
+    """Prompt + self-output count-tries of all active requests.
+
+    Example:
+        idx = InputIndex(query_len=2, depth=2)
+        idx.start_request("r1", [5, 6, 7, 5, 6])
+        idx.extend("r1", [8, 5, 6])
+        [(s.m, s.occurrences) for s in idx.matches("r1")]   # -> [(2, 2), (1, 2)]
+        idx.stop_request("r1")
+    """
+
+    def __init__(self, *, query_len: int = 4, depth: int = 8, max_tokens: int = 16384, vocab_size: int | None = None):
+        if query_len < 1 or depth < 1:
+            raise ValueError(f"query_len and depth must be >= 1, got {query_len} and {depth}")
+        if max_tokens < 4 * (query_len + depth):
+            raise ValueError(f"max_tokens={max_tokens} is too small; use at least 4 * (query_len + depth)")
+        self.query_len = query_len
+        self.depth = depth
+        self.window = query_len + depth  # n-grams up to query_len + depth tokens are counted
+        self.max_tokens = max_tokens
+        self.vocab_size = vocab_size
+        self._seqs: dict[Hashable, _Seq] = {}
+
+    # ---- lifecycle -------------------------------------------------------------------------------------------
+    @property
+    def active_requests(self) -> KeysView:
+        return self._seqs.keys()
+
+    def start_request(self, request_id: Hashable, prompt_ids) -> None:
+        """Begin indexing a request with its prompt. Raises ValueError if the id is active or tokens are invalid."""
+        if request_id in self._seqs:
+            raise ValueError(f"request {request_id!r} is already active; call stop_request first")
+        toks = self._check_tokens(prompt_ids, what="prompt_ids")
+        seq = _Seq(self.window, min(max(toks.shape[0] + 64, 64), self.max_tokens))
+        self._seqs[request_id] = seq
+        self._add(seq, toks)
+
+    def extend(self, request_id: Hashable, accepted_ids) -> None:
+        """Append accepted output tokens (O(depth) per token). Raises ValueError for an unknown id or bad tokens."""
+        seq = self._get(request_id)
+        toks = self._check_tokens(accepted_ids, what="accepted_ids")
+        self._add(seq, toks)
+
+    def stop_request(self, request_id: Hashable) -> None:
+        """Forget a request and free its memory."""
+        self._get(request_id)
+        del self._seqs[request_id]
+
+    # ---- views -----------------------------------------------------------------------------------------------
+    def tokens(self, request_id: Hashable) -> np.ndarray:
+        """Read-only view of the tokens currently indexed (the last <= max_tokens of the sequence)."""
+        seq = self._get(request_id)
+        v = seq.buf[: seq.n].view()
+        v.flags.writeable = False
+        return v
+
+    def num_tokens(self, request_id: Hashable) -> int:
+        """Tokens seen by the request so far (including any dropped for the memory cap)."""
+        return self._get(request_id).total
+
+    def num_nodes(self, request_id: Hashable) -> int:
+        return self._get(request_id).n_nodes
+
+    def matches(self, request_id: Hashable) -> list[SuffixMatch]:
+        """Every suffix length m = query_len..1 that occurred earlier, with continuation counts (debug/test)."""
+        seq = self._get(request_id)
+        out = []
+        for m in range(min(self.query_len, seq.n), 0, -1):
+            node = 0
+            for t in seq.buf[seq.n - m : seq.n]:
+                node = int(trie_child(seq.hkeys, seq.hvals, node, t))
+            if seq.cnt[node] <= 1:
+                continue
+            counts: dict[tuple[int, ...], int] = {}
+            stack = [(int(seq.first[node]), ())]
+            while stack:
+                c, path = stack.pop()
+                while c >= 0:
+                    p = path + (int(seq.tok[c]),)
+                    counts[p] = int(seq.cnt[c])
+                    if len(p) < self.depth:
+                        stack.append((int(seq.first[c]), p))
+                    c = int(seq.sib[c])
+            out.append(SuffixMatch(m=m, occurrences=int(seq.cnt[node]) - 1, counts=counts))
+        return out
+
+    # ---- internals -------------------------------------------------------------------------------------------
+    def _get(self, request_id: Hashable) -> _Seq:
+        try:
+            return self._seqs[request_id]
+        except (KeyError, TypeError):
+            raise ValueError(f"unknown request id {request_id!r}: call start_request first") from None
+
+    def _check_tokens(self, ids, *, what: str) -> np.ndarray:
+        arr = np.asarray(ids)
+        if arr.ndim != 1:
+            raise ValueError(f"{what} must be a 1-D sequence of token ids, got shape {arr.shape}")
+        if arr.size == 0:
+            return np.empty(0, np.int32)
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"{what} must hold integer token ids, got dtype {arr.dtype}")
+        hi = self.vocab_size if self.vocab_size is not None else 2**31 - 1
+        lo_v, hi_v = int(arr.min()), int(arr.max())
+        if lo_v < 0 or hi_v >= hi:
+            bad = lo_v if lo_v < 0 else hi_v
+            raise ValueError(f"{what} holds token id {bad} outside the vocabulary [0, {hi}); check the tokenizer")
+        return np.ascontiguousarray(arr, dtype=np.int32)
+
+    def _add(self, seq: _Seq, toks: np.ndarray) -> None:
+        seq.total += toks.shape[0]
+        if seq.n + toks.shape[0] > self.max_tokens:
+            # Drop the oldest windows: keep the newest 3/4 of the cap and rebuild (amortised O(window) per token).
+            keep = np.concatenate([seq.buf[: seq.n], toks])[-(self.max_tokens - self.max_tokens // 4) :]
+            fresh = _Seq(self.window, self.max_tokens)
+            fresh.total = seq.total
+            fresh.append(np.ascontiguousarray(keep))
+            for name in _Seq.__slots__:
+                setattr(seq, name, getattr(fresh, name))
+            return
+        if toks.shape[0]:
+            seq.append(toks)

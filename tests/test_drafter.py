@@ -1,0 +1,331 @@
+"""Drafter: datastore back-off/merge, fusion (SSSD Algorithm 1) against Python references, tree invariants, errors."""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+import pytest
+
+from datastore import Datastore, build_from_token_docs
+from drafter.calibration import CalibrationMap
+from drafter.datastore_source import DatastoreSource, sssd_branch_length
+from drafter.drafter import Drafter, DrafterConfig
+from drafter.tree import SOURCE_DATASTORE, SOURCE_INPUT
+
+VOCAB = 12  # tokens 10, 11 never occur in the datastore
+
+
+def markov_docs(seed: int, n_docs: int, length: int, states: int = 8) -> list[np.ndarray]:
+    """Documents from a skewed random Markov chain, so continuations have uneven counts (and ties)."""
+    rng = np.random.default_rng(seed)
+    trans = rng.dirichlet(np.full(states, 0.4), size=states)
+    docs = []
+    for _ in range(n_docs):
+        x = [int(rng.integers(states))]
+        for _ in range(int(rng.integers(length // 2, length))):
+            x.append(int(rng.choice(states, p=trans[x[-1]])))
+        docs.append(np.array(x, np.int32))
+    return docs
+
+
+@pytest.fixture(scope="module")
+def docs():
+    return markov_docs(0, 60, 80)
+
+
+@pytest.fixture(scope="module")
+def ds(tmp_path_factory, docs):
+    return Datastore.open(build_from_token_docs(docs, tmp_path_factory.mktemp("ds") / "a", vocab_size=VOCAB))
+
+
+@pytest.fixture(scope="module")
+def ds2(tmp_path_factory):
+    path = build_from_token_docs(markov_docs(1, 30, 60), tmp_path_factory.mktemp("ds") / "b", vocab_size=VOCAB)
+    return Datastore.open(path)
+
+
+# ---------------------------------------------------------------- references
+def add_row(counts: dict, row) -> bool:
+    if len(row) == 0 or row[0] < 0:
+        return False
+    counts[()] = counts.get((), 0) + 1
+    for d in range(len(row)):
+        if row[d] < 0:
+            break
+        counts[tuple(row[: d + 1])] = counts.get(tuple(row[: d + 1]), 0) + 1
+    return True
+
+
+def brute_backoff(docs, prefix, *, q, L, threshold):
+    """All continuations (no sampling) of the last q..1 tokens, SSSD back-off, counted straight from the documents."""
+    p = [int(t) for t in prefix[-q:]]
+    counts: dict = {}
+    mlen = 0
+    for c in range(len(p), 0, -1):
+        sub = p[len(p) - c :]
+        hit = False
+        for d in docs:
+            d = d.tolist()
+            for i in range(len(d) - c + 1):
+                if d[i : i + c] == sub:
+                    row = d[i + c : i + c + L] + [-1] * (L - len(d[i + c : i + c + L]))
+                    hit |= add_row(counts, row)
+        if hit and not mlen:
+            mlen = c
+        if counts.get((), 0) >= threshold or c == 1:
+            break
+    return counts, mlen
+
+
+def sampled_backoff(ds, prefix, *, q, K, L, threshold):
+    """The same back-off, through single `continuations` calls (sampling is the datastore's)."""
+    p = np.asarray(prefix[-q:])
+    counts: dict = {}
+    mlen = 0
+    for c in range(len(p), 0, -1):
+        hit = False
+        for row in ds.continuations(p[len(p) - c :], K, L).tolist():
+            hit |= add_row(counts, row)
+        if hit and not mlen:
+            mlen = c
+        if counts.get((), 0) >= threshold or c == 1:
+            break
+    return counts, mlen
+
+
+def input_matches(seq, q, L):
+    """Brute force of the input source: {m: (earlier occurrences, {path: count})}."""
+    n = len(seq)
+    out = {}
+    for m in range(min(q, n), 0, -1):
+        counts, occ = {}, 0
+        for s in range(n - m):
+            if seq[s : s + m] == seq[n - m :]:
+                occ += 1
+                cont = seq[s + m : s + m + L]
+                for d in range(1, len(cont) + 1):
+                    counts[tuple(cont[:d])] = counts.get(tuple(cont[:d]), 0) + 1
+        if occ:
+            out[m] = (occ, counts)
+    return out
+
+
+def reference_fusion(seq, ds_tries, cfg: DrafterConfig, budget: int, *, use_input=True):
+    """SSSD Algorithm 1 in plain Python over dict tries, with the kernel's documented tie order."""
+    if budget == 0:
+        return []
+    fan = min(cfg.fanout, budget)
+    heap, counter = [], [0]
+
+    def push(key, raw, depth, tok, src, mlen, at, ref, delta):
+        heapq.heappush(heap, (-key, -depth, tok, src, -mlen, at, counter[0], raw, ref, delta))
+        counter[0] += 1
+
+    def children(counts, path):
+        return [p[-1] for p in counts if len(p) == len(path) + 1 and p[:-1] == path]
+
+    inp = input_matches(seq, cfg.query_len, cfg.input_depth) if use_input else {}
+    for m, (occ, counts) in inp.items():
+        for t in children(counts, ()):
+            raw = cfg.input_scale * counts[(t,)] / occ
+            push(min(max(raw, 0.0), 1.0), raw, 1, t, 0, m, -1, ("in", m, (t,)), cfg.delta_base + cfg.delta_step * m)
+    for k, (counts, mlen) in enumerate(ds_tries):
+        if counts.get((), 0) > 0:
+            for t in children(counts, ()):
+                raw = counts[(t,)] / counts[()]
+                push(min(max(raw, 0.0), 1.0), raw, 1, t, 1 + k, mlen, -1, ("ds", k, (t,)), 1.0)
+    nodes = []  # (tok, parent, prob32, depth, src)
+    kids: dict[int, dict[int, int]] = {}
+    while heap and len(nodes) < budget:
+        negkey, negd, tok, src, negm, at, _, raw, ref, delta = heapq.heappop(heap)
+        sib = kids.setdefault(at, {})
+        if tok in sib:
+            c = sib[tok]
+        elif len(sib) >= fan:
+            continue
+        else:
+            c = len(nodes)
+            nodes.append((tok, at, float(np.float32(-negkey)), -negd, src))
+            sib[tok] = c
+        if len(nodes) >= budget:
+            break
+        depth, pprob = nodes[c][3] + 1, nodes[c][2]
+        kind, which, path = ref
+        if kind == "in":
+            if depth > cfg.input_depth:
+                continue
+            occ, counts = inp[which]
+            for t in children(counts, path):
+                r = raw * counts[path + (t,)] / counts[path] * delta
+                push(min(min(max(r, 0.0), 1.0), pprob), r, depth, t, 0, -negm, c, ("in", which, path + (t,)), delta)
+        else:
+            counts = ds_tries[which][0]
+            for t in children(counts, path):
+                r = raw * counts[path + (t,)] / counts[path]
+                push(min(min(max(r, 0.0), 1.0), pprob), r, depth, t, src, -negm, c, ("ds", which, path + (t,)), 1.0)
+    return nodes
+
+
+def tree_rows(tree):
+    return [(int(t), int(p), float(pr), int(d), int(s))
+            for t, p, pr, d, s in zip(tree.tokens, tree.parents, tree.probs, tree.depth, tree.source)]
+
+
+def check_tree(tree, budget, fanout, vocab=VOCAB):
+    tree.validate(vocab)
+    assert len(tree) <= budget
+    par = tree.parents
+    assert np.all(par < np.arange(len(tree)))  # parents first
+    ok = np.where(par < 0, tree.probs <= 1.0, tree.probs <= tree.probs[np.maximum(par, 0)])
+    assert ok.all(), "probabilities must not increase along a path"
+    assert np.all(tree.probs > 0)
+    for p in np.unique(par):
+        sib = tree.tokens[par == p]
+        assert sib.size <= min(fanout, budget) and np.unique(sib).size == sib.size
+
+
+# ---------------------------------------------------------------- datastore source
+@pytest.mark.parametrize("threshold", [1, 50, 10**9])
+def test_backoff_merge_matches_brute_force_count(ds, docs, threshold):
+    rng = np.random.default_rng(threshold % 97)
+    prefixes = [rng.integers(0, 8, int(rng.integers(1, 7))) for _ in range(40)] + [np.array([10, 11, 3]),
+                                                                                 np.array([], np.int64)]
+    lengths = rng.integers(1, 6, len(prefixes)).astype(np.int32)
+    src = DatastoreSource([ds], query_len=4, samples=10**6, threshold=threshold)
+    cand = src.lookup(prefixes, lengths)
+    for b, p in enumerate(prefixes):
+        want, mlen = brute_backoff(docs, list(p), q=4, L=int(lengths[b]), threshold=threshold) if len(p) else ({}, 0)
+        assert cand.counts(b, 0) == want, (b, p)
+        assert cand.match_len[b, 0] == mlen
+
+
+def test_sampled_backoff_matches_single_lookups(ds):
+    rng = np.random.default_rng(7)
+    prefixes = [rng.integers(0, 8, 4) for _ in range(30)] + [np.array([2]), np.array([10, 2])]
+    src = DatastoreSource([ds], query_len=4, samples=100, threshold=50)
+    cand = src.lookup(prefixes, np.full(len(prefixes), 6, np.int32))
+    for b, p in enumerate(prefixes):
+        want, mlen = sampled_backoff(ds, p, q=4, K=100, L=6, threshold=50)
+        assert cand.counts(b, 0) == want
+        assert cand.match_len[b, 0] == mlen
+        assert want.get((), 0) <= 100 * cand.rounds[b, 0]
+
+
+def test_sssd_branch_schedule():
+    assert [sssd_branch_length(b) for b in (1, 2, 4, 5, 7, 31, 32, 47, 48, 63)] == [1, 2, 4, 5, 5, 6, 8, 8, 10, 10]
+
+
+# ---------------------------------------------------------------- fusion vs reference
+@pytest.mark.parametrize("sources", ["fused", "input", "datastore"])
+@pytest.mark.parametrize("fanout", [1, 2, 5])
+def test_fusion_equals_reference(ds, ds2, docs, sources, fanout):
+    docs2 = markov_docs(1, 30, 60)
+    cfg = DrafterConfig(sources=sources, fanout=fanout, datastore_samples=10**6, input_depth=5)
+    dr = Drafter(cfg, datastores=[ds, ds2], calibration=CalibrationMap.identity())
+    rng = np.random.default_rng(fanout)
+    batch, seqs = [], {}
+    for i in range(12):
+        base = rng.integers(0, 8, 12)
+        seq = np.concatenate([base, rng.integers(0, 9, 20), base[: int(rng.integers(1, 8))]]).tolist()
+        dr.start_request(i, seq[:10])
+        dr.extend(i, seq[10:])
+        seqs[i] = seq
+        batch.append((i, int(rng.choice([0, 1, 2, 3, 8, 17, 32, 64]))))
+    results = dr.draft_detailed(batch)
+    for (rid, budget), res in zip(batch, results):
+        seq = seqs[rid]
+        tries = []
+        if sources != "input":
+            L = sssd_branch_length(budget)
+            tries = [brute_backoff(d, seq, q=4, L=L, threshold=50) for d in (docs, docs2)]
+        want = reference_fusion(seq, tries, cfg, budget, use_input=sources != "datastore")
+        assert tree_rows(res.tree) == want
+        check_tree(res.tree, budget, fanout)
+        if sources == "input":
+            assert np.all(res.tree.source == SOURCE_INPUT)
+        if sources == "datastore":
+            assert np.all(res.tree.source >= SOURCE_DATASTORE)
+
+
+def test_trees_valid_deterministic_and_budgeted(ds, ds2):
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 10, int(rng.integers(1, 200))) for _ in range(40)]
+    batch = [(i, int(rng.integers(0, 65))) for i in range(40)]
+    out = []
+    for _ in range(2):
+        dr = Drafter(DrafterConfig(), datastores=[ds, ds2])
+        for i, p in enumerate(prompts):
+            dr.start_request(i, p)
+        out.append(dr.draft(batch))
+        out.append(dr.draft(batch))  # drafting has no side effects
+    for trees in out[1:]:
+        for a, b in zip(out[0], trees):
+            assert tree_rows(a) == tree_rows(b)
+    for (rid, budget), tree in zip(batch, out[0]):
+        check_tree(tree, budget, 5)
+    assert sum(len(t) for t in out[0]) > 0
+    assert {int(s) for t in out[0] for s in t.source} == {0, 1, 2}
+
+
+def test_no_match_gives_empty_tree(ds):
+    dr = Drafter(DrafterConfig(), datastores=[ds])
+    dr.start_request("x", [10, 11])  # never in the datastore, no repeats in the input
+    dr.start_request("e", [])
+    dr.start_request("y", [1, 2, 3])
+    trees = dr.draft([("x", 32), ("e", 8), ("y", 0)])
+    assert [len(t) for t in trees] == [0, 0, 0]
+    dr.extend("x", [10, 11])  # now the input repeats: "10 11" -> "10 11"
+    assert tree_rows(dr.draft([("x", 4)])[0])[0][0] == 10
+
+
+def test_calibration_is_applied_and_loaded_by_default(tmp_path, docs):
+    path = build_from_token_docs(docs, tmp_path / "cal", vocab_size=VOCAB)
+    rng = np.random.default_rng(0)
+    n = 20000
+    s = rng.uniform(0, 1, n)
+    rec = {"source": rng.integers(0, 2, n), "depth": rng.integers(1, 4, n), "match_len": rng.integers(1, 5, n),
+           "score": s, "accepted": rng.uniform(0, 1, n) < 0.2 + 0.5 * s}
+    cal = CalibrationMap.fit(rec)
+    cal.to_json(path / "calibration.json")
+    dr = Drafter(DrafterConfig(), datastores=[Datastore.open(path)])
+    assert set(dr.calibration.curves) == set(cal.curves)
+    dr.start_request("r", docs[0][:30])
+    res = dr.draft_detailed([("r", 32)])[0]
+    t = res.tree
+    assert len(t) > 0
+    want = cal.apply(source=t.source, depth=t.depth, match_len=res.match_len, score=res.raw_score)
+    for i in range(len(t)):  # calibrated, then capped by the parent's probability
+        cap = 1.0 if t.parents[i] < 0 else t.probs[t.parents[i]]
+        assert t.probs[i] == pytest.approx(min(want[i], cap), abs=1e-6)
+    check_tree(t, 32, 5)
+
+
+# ---------------------------------------------------------------- errors
+def test_bad_input_errors(ds):
+    dr = Drafter(DrafterConfig(max_budget=64), datastores=[ds])
+    dr.start_request("a", [1, 2, 3, 1, 2])
+    before = tree_rows(dr.draft([("a", 8)])[0])
+    cases = [
+        (lambda: dr.draft([("nope", 4)]), "unknown request id 'nope'"),
+        (lambda: dr.draft([("a", -1)]), "must be >= 0"),
+        (lambda: dr.draft([("a", 65)]), "max_budget"),
+        (lambda: dr.draft([("a", 2.5)]), "must be an int"),
+        (lambda: dr.draft([("a", 2), ("a", 3)]), "appears twice"),
+        (lambda: dr.draft(["a"]), "pairs"),
+        (lambda: dr.start_request("b", [1, VOCAB]), f"token id {VOCAB} outside the vocabulary"),
+        (lambda: dr.extend("a", [VOCAB + 5]), "outside the vocabulary"),
+        (lambda: dr.extend("nope", [1]), "unknown request id"),
+        (lambda: dr.start_request("a", [1]), "already active"),
+    ]
+    for call, match in cases:
+        with pytest.raises(ValueError, match=match):
+            call()
+    assert set(dr.active_requests) == {"a"}
+    assert tree_rows(dr.draft([("a", 8)])[0]) == before
+    with pytest.raises(ValueError, match="needs at least one datastore"):
+        Drafter(DrafterConfig())
+    with pytest.raises(ValueError, match="sources must be one of"):
+        DrafterConfig(sources="both")
+    with pytest.raises(ValueError, match="differs from the datastores"):
+        Drafter(DrafterConfig(), datastores=[ds], vocab_size=VOCAB + 1)
