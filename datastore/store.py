@@ -22,7 +22,7 @@ Worked example::
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -124,6 +124,17 @@ class Datastore:
     def __repr__(self) -> str:
         return (f"Datastore({str(self.path)!r}, tokens={self.num_tokens}, documents={self.num_documents}, "
                 f"shards={self.num_shards}, vocab={self.vocab_size})")
+
+    def documents(self) -> Iterator[np.ndarray]:
+        """Every stored document as int32 token ids, shard by shard (for building peer indexes from the same text)."""
+        enc = TokenEncoding.for_vocab(self.vocab_size)
+        for stored in self._tokens:
+            ids = enc.decode(np.asarray(stored))
+            ends = np.flatnonzero(ids == self._sep)
+            start = 0
+            for end in ends:
+                yield ids[start:end].astype(np.int32)
+                start = end + 1
 
     # ---------------------------------------------------------------- queries
     def count(self, prefix: Any) -> int:

@@ -128,6 +128,21 @@ class DraftTree:
         """int32 [n+1]: offsets from the root's position for [root, nodes...]."""
         return np.concatenate([np.zeros(1, np.int32), self.depth])
 
+    def best_path(self, max_len: int | None = None) -> "DraftTree":
+        """The linear draft with the most expected accepted tokens: the root-to-node path (at most `max_len` deep)
+        maximising the sum of its nodes' path probabilities. Linear-draft engines (TensorRT-LLM's external draft
+        tokens) verify this instead of the whole tree."""
+        if len(self) == 0 or max_len == 0:
+            return DraftTree.empty()
+        gain = np.zeros(len(self), np.float64)
+        for i in range(len(self)):  # parents-first: a node's path gain is its parent's plus its own probability
+            gain[i] = self.probs[i] + (gain[self.parents[i]] if self.parents[i] >= 0 else 0.0)
+        if max_len is not None:
+            gain[self.depth > max_len] = -1.0
+        path = self.path_to(int(np.argmax(gain)))  # first maximum: the shallowest of equal gains
+        return DraftTree.from_arrays(tokens=self.tokens[path], parents=np.arange(-1, len(path) - 1),
+                                     probs=self.probs[path], source=self.source[path])
+
     def path_to(self, node: int) -> np.ndarray:
         """Node indices from the root's child down to `node` (inclusive)."""
         path = []

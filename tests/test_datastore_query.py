@@ -158,3 +158,13 @@ def _real_datastore(tmp_path_factory):
         build_from_token_docs(docs, out, vocab_size=tok.get_vocab_size(True), max_shard_tokens=max(map(len, docs)))
         _REAL["v"] = (docs, Datastore.open(out))
     return _REAL["v"]
+
+
+@pytest.mark.parametrize("vocab", [300, 70_000])
+def test_documents_round_trip_across_shards(tmp_path: Path, vocab: int) -> None:
+    rng = np.random.default_rng(vocab)
+    docs = [rng.integers(0, vocab, int(rng.integers(1, 40))).astype(np.int32) for _ in range(25)]
+    ds = Datastore.open(build_from_token_docs(docs, tmp_path / "ds", vocab_size=vocab, max_shard_tokens=128))
+    assert ds.num_shards > 1
+    got = list(ds.documents())
+    assert [d.tolist() for d in got] == [d.tolist() for d in docs]

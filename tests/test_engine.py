@@ -1,0 +1,376 @@
+"""TorchEngine on the default model in fp32: losslessness, KV bookkeeping, sampling distribution, bad input.
+
+One module-scoped engine (loading costs seconds); every test releases its own requests.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from drafter.tree import DraftTree
+from orchestrator.acceptance import accept
+from orchestrator.spec_loop import generate
+from trt_engines.base import KVCacheFullError, RequestError, SamplingParams, TargetEngine, VerifyItem
+from trt_engines.prepare import default_model_dir, is_complete
+
+pytestmark = pytest.mark.skipif(not is_complete(default_model_dir()), reason="default model not prepared")
+
+VOCAB = 49152
+BLOCK = 16
+NUM_BLOCKS = 56  # 896 tokens: less than max_context, so KV exhaustion is reachable
+HYP = settings(max_examples=5, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+_ids = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from trt_engines.torch_engine import TorchEngine
+
+    torch.set_num_threads(2)
+    return TorchEngine("default", dtype=torch.float32, num_blocks=NUM_BLOCKS, block_size=BLOCK, max_context=1024)
+
+
+def _uid(prefix: str = "r") -> str:
+    return f"{prefix}{next(_ids)}"
+
+
+def _prompt(rng: np.random.Generator, length: int) -> list[int]:
+    return [1] + rng.integers(2, VOCAB, length - 1).tolist()
+
+
+def _tree(rng: np.random.Generator, kind: str, truth: list[int]) -> DraftTree:
+    """A draft tree of `kind` given the true greedy continuation `truth` from the root on (truth[0] follows it)."""
+    if kind == "empty" or not truth:
+        return DraftTree.empty()
+    if kind == "perfect":
+        return DraftTree.chain(truth[: rng.integers(1, 7)])
+    if kind == "random":
+        n = int(rng.integers(1, 12))
+        parents = [int(rng.integers(-1, i)) for i in range(n)]
+        return DraftTree.from_arrays(tokens=rng.integers(0, VOCAB, n), parents=parents)
+    # adversarial: the true path hidden among decoys, a same-token decoy sibling ahead of it whose children are
+    # wrong, wrong tokens below the true path, and a deep wrong branch.
+    tokens, parents = [], []
+
+    def add(tok: int, parent: int) -> int:
+        tokens.append(int(tok))
+        parents.append(parent)
+        return len(tokens) - 1
+
+    parent = -1
+    for d, tok in enumerate(truth[: rng.integers(1, 5)]):
+        add(rng.integers(0, VOCAB), parent)  # decoy sibling
+        if d % 2 == 0:
+            dup = add(tok, parent)  # same token as the truth, first among equals: acceptance takes this one
+            add((tok + 1) % VOCAB, dup)
+        parent = add(tok, parent)
+    for _ in range(3):
+        parent = add(rng.integers(0, VOCAB), parent)
+    return DraftTree.from_arrays(tokens=tokens, parents=parents)
+
+
+def _plain(engine, prompts, max_new):
+    out, _ = generate(engine, prompts, max_new_tokens=max_new, id_prefix=_uid("plain"))
+    return out
+
+
+def test_satisfies_protocol(engine):
+    assert isinstance(engine, TargetEngine)
+    assert engine.vocab_size == VOCAB and engine.max_context == 1024 and engine.eos_token_ids == (2,)
+
+
+def test_plain_greedy_equals_transformers_greedy(engine):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.LlamaForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32).eval()
+    prompt = _prompt(np.random.default_rng(5), 9)
+    ours = _plain(engine, [prompt], 8)[0]
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=2)
+    assert ours == ref[0, len(prompt) :].tolist()
+
+
+@HYP
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    kinds=st.lists(st.sampled_from(["empty", "perfect", "random", "adversarial"]), min_size=1, max_size=4),
+)
+def test_speculative_greedy_equals_plain_greedy(engine, seed, kinds):
+    rng = np.random.default_rng(seed)
+    max_new = 8
+    prompts = [_prompt(rng, int(rng.integers(1, 40))) for _ in kinds]
+    plain = _plain(engine, prompts, max_new)
+    prefix = _uid("spec")
+    by_id = {f"{prefix}-{i}": (len(p), p + o, k) for i, (p, o, k) in enumerate(zip(prompts, plain, kinds))}
+
+    def draft(rid, tokens):
+        n_prompt, full, kind = by_id[rid]
+        return _tree(rng, kind, full[len(tokens) :])
+
+    spec, stats = generate(engine, prompts, max_new_tokens=max_new, draft_fn=draft, id_prefix=prefix)
+    assert spec == plain
+    for kind, s in zip(kinds, stats):
+        if kind == "perfect":
+            assert s.accepted > 0  # the perfect drafts really were accepted
+    assert engine.free_blocks() == NUM_BLOCKS
+
+
+@HYP
+@given(seed=st.integers(0, 2**32 - 1), n_requests=st.integers(1, 3))
+def test_kv_after_arbitrary_commits_equals_fresh_prefill(engine, seed, n_requests):
+    rng = np.random.default_rng(seed)
+    ids = [_uid("kv") for _ in range(n_requests)]
+    cached: dict[str, list[int]] = {}
+    roots: dict[str, int] = {}
+    try:
+        for rid in ids:
+            prompt = _prompt(rng, int(rng.integers(1, 30)))
+            roots[rid] = engine.add_request(rid, prompt, SamplingParams())
+            cached[rid] = list(prompt)
+        for _ in range(3):
+            trees = {}
+            for rid in ids:
+                n = int(rng.integers(0, 10))
+                trees[rid] = DraftTree.from_arrays(
+                    tokens=rng.integers(0, VOCAB, n), parents=[int(rng.integers(-1, i)) for i in range(n)]
+                )
+            engine.verify([VerifyItem(rid, trees[rid]) for rid in ids])
+            for rid in ids:  # commit an arbitrary root path (not what acceptance would pick) and any next root
+                tree = trees[rid]
+                path = [] if len(tree) == 0 or rng.random() < 0.3 else tree.path_to(int(rng.integers(0, len(tree)))).tolist()
+                path = path[: int(rng.integers(0, len(path) + 1))]
+                next_root = int(rng.integers(0, VOCAB))
+                engine.commit(rid, path, next_root)
+                cached[rid] += [roots[rid]] + tree.tokens[path].tolist()
+                roots[rid] = next_root
+        for rid in ids:
+            fresh = _uid("fresh")
+            engine.add_request(fresh, cached[rid], SamplingParams())
+            try:
+                got, want = engine.kv_snapshot(rid), engine.kv_snapshot(fresh)
+            finally:
+                engine.release(fresh)
+            assert engine.context_length(rid) == len(cached[rid])
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    finally:
+        for rid in ids:
+            engine.release(rid)
+    assert engine.free_blocks() == NUM_BLOCKS
+
+
+def test_packed_paged_logits_match_transformers(engine):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.LlamaForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32).eval()
+    rng = np.random.default_rng(11)
+    prompts = [_prompt(rng, n) for n in (3, 37, 20)]  # crosses block boundaries, different lengths in one forward
+    ours = engine.debug_logits(prompts)
+    with torch.no_grad():
+        for p, got in zip(prompts, ours):
+            assert (hf(torch.tensor([p])).logits[0] - got).abs().max().item() <= 1e-4
+    assert engine.free_blocks() == NUM_BLOCKS
+
+
+def _filtered_probs(logits: torch.Tensor, params: SamplingParams) -> np.ndarray:
+    """Brute-force target distribution: temperature, keep top_k (ties broken by value only)."""
+    z = logits.double() / params.temperature
+    kth = torch.sort(z, descending=True).values[params.top_k - 1]
+    z = torch.where(z >= kth, z, torch.tensor(-np.inf, dtype=z.dtype))
+    return torch.softmax(z, -1).numpy()
+
+
+def test_sampled_first_token_has_target_distribution_with_and_without_speculation(engine):
+    rng = np.random.default_rng(3)
+    prompt = _prompt(rng, 6)
+    n_requests, rounds = 40, 8
+    ids = [_uid("samp") for _ in range(n_requests)]
+    roots = {}
+    base = SamplingParams(temperature=1.0, top_k=4)
+    try:
+        for i, rid in enumerate(ids):
+            roots[rid] = engine.add_request(rid, prompt, SamplingParams(temperature=1.0, top_k=4, seed=1000 + i))
+        distinct = sorted(set(roots.values()))
+        target = dict(zip(distinct, (_filtered_probs(l[-1], base) for l in engine.debug_logits([prompt + [r] for r in distinct]))))
+        expected = sum(target[roots[rid]] for rid in ids) * rounds
+        support = np.nonzero(expected > 0)[0]
+        for with_tree in (False, True):
+            counts = np.zeros(VOCAB)
+            for _ in range(rounds):  # re-verify without commit: a fresh, independent draw each time
+                items = []
+                for rid in ids:
+                    top = np.argsort(-target[roots[rid]])[:3]  # speculate on likely tokens, plus a deeper node
+                    tree = DraftTree.from_arrays(tokens=[*top, 5], parents=[-1, -1, -1, 0]) if with_tree else DraftTree.empty()
+                    items.append(VerifyItem(rid, tree))
+                for res in engine.verify(items).results:
+                    counts[res.target_tokens[0]] += 1
+            assert counts[np.setdiff1d(np.arange(VOCAB), support)].sum() == 0, "sampled outside top_k"
+            chi2 = (((counts[support] - expected[support]) ** 2) / expected[support]).sum()
+            dof = len(support) - 1
+            p_value = torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(chi2 / 2.0)).item()
+            assert p_value > 1e-3, f"with_tree={with_tree}: chi2 {chi2:.1f} on {dof} dof, p {p_value:.2g}"
+    finally:
+        for rid in ids:
+            engine.release(rid)
+
+
+def test_seeded_sampling_is_reproducible(engine):
+    prompts = [_prompt(np.random.default_rng(4), 7)] * 2
+    params = [SamplingParams(temperature=0.9, top_p=0.9, seed=7), SamplingParams(temperature=0.9, top_p=0.9, seed=8)]
+    a, _ = generate(engine, prompts, max_new_tokens=6, sampling=params, stop_at_eos=False, id_prefix=_uid("s"))
+    b, _ = generate(engine, prompts, max_new_tokens=6, sampling=params, stop_at_eos=False, id_prefix=_uid("s"))
+    assert a == b
+
+
+# ---- bad input: a clear error for that request; the others and the cache are untouched -------------------------
+
+
+@pytest.fixture
+def bystander(engine):
+    """A live request with one verify+commit behind it; yields a checker that it is intact and still decodes right."""
+    rng = np.random.default_rng(21)
+    prompt = _prompt(rng, 20)
+    want = _plain(engine, [prompt], 6)[0]
+    rid = _uid("by")
+    root = engine.add_request(rid, prompt, SamplingParams())
+    tree = DraftTree.chain(want[1:3])
+    acc = accept(tree, engine.verify([VerifyItem(rid, tree)]).results[0].target_tokens)
+    engine.commit(rid, acc.accepted_nodes, acc.bonus_token)
+    produced = [root, *acc.new_tokens.tolist()]
+    snapshot = engine.kv_snapshot(rid)
+    free = engine.free_blocks()
+
+    def check():
+        assert engine.free_blocks() == free
+        assert torch.equal(engine.kv_snapshot(rid), snapshot)
+        out = engine.verify([VerifyItem(rid, DraftTree.empty())]).results[0].target_tokens
+        assert produced + out.tolist() == want[: len(produced) + 1]
+
+    yield rid, check
+    engine.release(rid)
+
+
+@pytest.mark.parametrize(
+    "prompt, match",
+    [
+        ([], "empty prompt"),
+        ([1, VOCAB], "outside the vocabulary"),
+        ([1, -3], "outside the vocabulary"),
+        ([1.5, 2.0], "int token ids"),
+        ([1] * 1024, "context limit is 1024"),
+        ([1] * 1000, "KV blocks"),
+    ],
+    ids=["empty", "too-high", "negative", "floats", "too-long", "kv-full"],
+)
+def test_bad_prompts(engine, bystander, prompt, match):
+    rid, check = bystander
+    bad = _uid("bad")
+    with pytest.raises(RequestError, match=match) as info:
+        engine.add_request(bad, prompt, SamplingParams())
+    assert bad in str(info.value) and bad not in engine.requests
+    check()
+
+
+def test_kv_exhaustion_is_a_kv_error(engine, bystander):
+    with pytest.raises(KVCacheFullError):
+        engine.add_request(_uid("big"), [1] * (engine.free_blocks() * BLOCK + 1), SamplingParams())
+    bystander[1]()
+
+
+def test_bad_requests_and_sampling(engine, bystander):
+    rid, check = bystander
+    with pytest.raises(RequestError, match="already active"):
+        engine.add_request(rid, [1, 2], SamplingParams())
+    with pytest.raises(RequestError, match="SamplingParams"):
+        engine.add_request(_uid(), [1, 2], {"temperature": 1.0})
+    for bad in (dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1), dict(seed=-5)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(**bad)
+    with pytest.raises(RequestError, match="unknown request"):
+        engine.release("never-added")
+    check()
+
+
+def _hand_tree(tokens, parents, depth) -> DraftTree:
+    n = len(tokens)
+    return DraftTree(
+        tokens=np.asarray(tokens, np.int32), parents=np.asarray(parents, np.int32), probs=np.ones(n, np.float32),
+        depth=np.asarray(depth, np.int32), source=np.zeros(n, np.int16),
+    )
+
+
+@pytest.mark.parametrize(
+    "tree, match",
+    [
+        (DraftTree.chain([5, VOCAB + 3]), "token ids"),
+        (_hand_tree([5, 6], [1, -1], [2, 1]), "parent"),  # child before parent
+        (_hand_tree([5, 6], [1, 0], [2, 1]), "parent"),  # cycle
+        (_hand_tree([5, 6], [-1, 7], [1, 2]), "parent"),  # parent out of range
+        (DraftTree.chain([5] * 1100), "context limit"),
+    ],
+    ids=["token", "order", "cycle", "range", "too-big"],
+)
+def test_bad_trees_leave_the_batch_untouched(engine, bystander, tree, match):
+    rid, check = bystander
+    other = _uid("tree")
+    engine.add_request(other, [1, 2, 3], SamplingParams())
+    try:
+        free = engine.free_blocks()
+        with pytest.raises(RequestError, match=match) as info:
+            engine.verify([VerifyItem(rid, DraftTree.empty()), VerifyItem(other, tree)])
+        assert other in str(info.value)
+        assert engine.free_blocks() == free
+        with pytest.raises(RequestError, match="commit without"):  # the failed verify left nothing pending
+            engine.commit(other, [], 5)
+    finally:
+        engine.release(other)
+    check()
+
+
+def test_bad_verify_batches_and_commits(engine, bystander):
+    rid, check = bystander
+    with pytest.raises(RequestError, match="twice"):
+        engine.verify([VerifyItem(rid, DraftTree.empty()), VerifyItem(rid, DraftTree.empty())])
+    with pytest.raises(RequestError, match="unknown"):
+        engine.verify([VerifyItem(rid, DraftTree.empty()), VerifyItem("ghost", DraftTree.empty())])
+    other = _uid("c")
+    engine.add_request(other, [1, 2, 3, 4], SamplingParams())
+    try:
+        with pytest.raises(RequestError, match="without a preceding verify"):
+            engine.commit(other, [], 3)
+        tree = DraftTree.from_arrays(tokens=[7, 8, 9], parents=[-1, -1, 0])
+        engine.verify([VerifyItem(other, tree)])
+        snapshot, free = engine.kv_snapshot(other), engine.free_blocks()
+        for path, root, match in [([1, 2], 3, "not a root path"), ([2], 3, "not a root path"), ([3], 3, "outside"),
+                                  ([0], VOCAB, "vocabulary"), ([0], -1, "vocabulary")]:
+            with pytest.raises(RequestError, match=match):
+                engine.commit(other, path, root)
+            assert torch.equal(engine.kv_snapshot(other), snapshot) and engine.free_blocks() == free
+        engine.commit(other, [0, 2], 11)  # the failed commits left the verify pending
+        assert engine.context_length(other) == 4 + 3
+    finally:
+        engine.release(other)
+    check()
+
+
+def test_verify_kv_exhaustion_names_the_request(engine, bystander):
+    rid, check = bystander
+    filler = _uid("fill")
+    engine.add_synthetic_request(filler, (engine.free_blocks() - 1) * BLOCK)  # leaves one free block
+    try:
+        with pytest.raises(KVCacheFullError, match=filler):
+            engine.verify([VerifyItem(rid, DraftTree.empty()), VerifyItem(filler, DraftTree.chain([3] * (2 * BLOCK)))])
+    finally:
+        engine.release(filler)
+    check()
+
+
+def test_can_admit_counts_blocks(engine):
+    free = engine.free_blocks()
+    assert engine.blocks_needed(0) == 0 and engine.blocks_needed(1) == 1 and engine.blocks_needed(BLOCK + 1) == 2
+    assert engine.can_admit(free * BLOCK - 10, 10) and not engine.can_admit(free * BLOCK - 10, 11)
+    assert not engine.can_admit(10, 10, tree_nodes=free * BLOCK)

@@ -1,0 +1,115 @@
+"""The `TargetEngine` protocol: what the orchestrator may ask of any target model (PyTorch now, TensorRT-LLM later).
+
+Vocabulary:
+    context     the tokens whose keys/values are in the engine's KV cache for a request (`ctx_len` of them).
+    root        the last accepted token. It is NOT cached yet: every `verify` feeds [root, tree nodes...] at positions
+                `ctx_len + [0, depth...]`, and `commit` caches the root plus the accepted path.
+    target token  the target model's choice at a verified position: argmax (greedy) or one sample drawn with the
+                request's own seeded generator. `target_tokens[0]` follows the root, `target_tokens[1 + i]` follows
+                node i.
+    bonus token the target token at the last accepted node (or at the root when nothing is accepted); it becomes the
+                next root.
+
+Lifecycle of one request (worked example, greedy, a chain draft of 3 tokens whose first 2 are right):
+
+    root = engine.add_request("r1", prompt_ids, SamplingParams())   # prefill; root = first generated token
+    out = engine.verify([VerifyItem("r1", DraftTree.chain([a, b, c]))])
+    out.results[0].target_tokens       # e.g. [a, b, x, y]: a matches node 0, b matches node 1, x != c
+    engine.commit("r1", [0, 1], next_root=x)   # caches root, a, b; x becomes the root; 3 new tokens a, b, x
+    engine.release("r1")
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+from drafter.tree import DraftTree
+
+
+class RequestError(ValueError):
+    """A request-level problem (bad ids, unknown request, bad tree); nothing in the engine was changed."""
+
+    def __init__(self, request_id, problem: str):
+        self.request_id = request_id
+        super().__init__(f"request {request_id!r}: {problem}")
+
+
+class KVCacheFullError(RequestError):
+    """Not enough free KV blocks for this request right now; retry after other requests are released."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a request picks target tokens. temperature 0 = greedy (argmax); otherwise softmax(logits / temperature)
+    restricted to the `top_k` most likely tokens (0 = all) and then to the smallest top set whose mass reaches
+    `top_p`. `seed` seeds the request's own generator (None = a random seed), so seeded runs are reproducible."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy); got {self.temperature!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must lie in (0, 1] (1 = no nucleus cut); got {self.top_p!r}")
+        if not (isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= 0):
+            raise ValueError(f"top_k must be an int >= 0 (0 = no top-k cut); got {self.top_k!r}")
+        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be None or an int in [0, 2**63); got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class VerifyItem:
+    """One request of a verify batch: its draft tree (empty tree = plain decoding step)."""
+
+    request_id: object
+    tree: DraftTree
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    request_id: object
+    target_tokens: np.ndarray  # int32 [n + 1]: target token after the root, then after each node
+
+
+@dataclass(frozen=True)
+class VerifyOutput:
+    results: list[VerifyResult]
+    timings: dict[str, float] = field(default_factory=dict)  # at least forward_ms and total_ms
+
+
+@runtime_checkable
+class TargetEngine(Protocol):
+    vocab_size: int
+    max_context: int
+    eos_token_ids: tuple[int, ...]
+
+    def add_request(self, request_id, prompt_ids: Sequence[int], sampling: SamplingParams) -> int:
+        """Prefill the prompt; return the first generated token (the root of the first verify)."""
+
+    def verify(self, items: Sequence[VerifyItem]) -> VerifyOutput:
+        """One forward over every item's [root, nodes...]; target tokens per position."""
+
+    def commit(self, request_id, accepted_node_ids: Sequence[int], next_root: int) -> None:
+        """Cache the root and the accepted path (root-to-node order) of the last verify; `next_root` is the new root."""
+
+    def release(self, request_id) -> None: ...
+
+    def free_blocks(self) -> int: ...
+
+    def total_blocks(self) -> int:
+        """KV blocks the engine has in all (free + in use): the admission ledger's capacity."""
+
+    def blocks_needed(self, num_tokens: int) -> int: ...
+
+    def can_admit(self, prompt_len: int, max_new_tokens: int) -> bool: ...

@@ -1,0 +1,97 @@
+"""Paged KV cache: fixed-size blocks, a block table per request, a free-list allocator.
+
+Vocabulary:
+    slot        one token's K/V row. Slot s of a request lives in block `table[s // block_size]`, row
+                `s % block_size`; its *flat slot* (index into the pool viewed as [num_blocks * block_size, ...])
+                is `table[s // block_size] * block_size + s % block_size`.
+    pool        one tensor [n_layers, 2 (K, V), num_blocks, block_size, n_kv_heads, head_dim]; `keys(l)` and
+                `values(l)` are the per-layer pools [num_blocks, block_size, n_kv_heads, head_dim] (views).
+
+Example (block_size 4): a request with 6 cached tokens holds 2 blocks, say table [7, 2]; its slot 5 is flat slot
+2 * 4 + 1 = 9. Admission asks `blocks_needed(prompt + max_new)` <= `free_blocks()`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+
+class PagedKVCache:
+    def __init__(
+        self,
+        *,
+        n_layers: int,
+        n_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks and block_size must be >= 1; got {num_blocks}, {block_size}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        # zeros (calloc) commits memory lazily on CPU, so an oversized pool costs nothing until used.
+        self.pool = torch.zeros(n_layers, 2, num_blocks, block_size, n_kv_heads, head_dim, dtype=dtype, device=device)
+        self._flat = self.pool.view(n_layers, 2, num_blocks * block_size, n_kv_heads, head_dim)
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low block ids first
+        self.tables: dict[object, list[int]] = {}
+
+    def keys(self, layer: int) -> Tensor:
+        return self.pool[layer, 0]
+
+    def values(self, layer: int) -> Tensor:
+        return self.pool[layer, 1]
+
+    def flat(self, layer: int, kind: int) -> Tensor:
+        """[num_blocks * block_size, n_kv_heads, head_dim] view of layer `layer`'s keys (kind 0) or values (1)."""
+        return self._flat[layer, kind]
+
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-max(int(num_tokens), 0) // self.block_size)
+
+    def extra_blocks(self, request_id, num_slots: int) -> int:
+        """Blocks `ensure(request_id, num_slots)` would allocate."""
+        return max(0, self.blocks_needed(num_slots) - len(self.tables.get(request_id, ())))
+
+    def ensure(self, request_id, num_slots: int) -> None:
+        """Grow the request's table to cover `num_slots` slots. Callers check `extra_blocks` first."""
+        table = self.tables.setdefault(request_id, [])
+        need = self.blocks_needed(num_slots) - len(table)
+        if need > len(self._free):
+            raise RuntimeError(f"KV cache has {len(self._free)} free blocks, {need} needed (caller must check first)")
+        for _ in range(need):
+            table.append(self._free.pop())
+
+    def shrink(self, request_id, num_slots: int) -> None:
+        """Return the blocks beyond the first `num_slots` slots to the free list."""
+        table = self.tables[request_id]
+        keep = self.blocks_needed(num_slots)
+        while len(table) > keep:
+            self._free.append(table.pop())
+
+    def release(self, request_id) -> None:
+        self._free.extend(reversed(self.tables.pop(request_id, [])))
+
+    def flat_slots(self, request_id, start: int, stop: int) -> np.ndarray:
+        """int64 flat slot ids of the request's slots [start, stop)."""
+        table = np.asarray(self.tables[request_id], dtype=np.int64)
+        s = np.arange(start, stop, dtype=np.int64)
+        return table[s // self.block_size] * self.block_size + s % self.block_size
+
+    def move(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Copy the K/V rows of flat slots `src` to `dst` in every layer (reads all sources before writing)."""
+        if len(src):
+            src_t = torch.as_tensor(src, device=self.pool.device)
+            dst_t = torch.as_tensor(dst, device=self.pool.device)
+            self._flat[:, :, dst_t] = self._flat[:, :, src_t]
+
+    def gather(self, request_id, num_slots: int) -> Tensor:
+        """[n_layers, 2, num_slots, n_kv_heads, head_dim] copy of the request's first `num_slots` slots (tests)."""
+        idx = torch.as_tensor(self.flat_slots(request_id, 0, num_slots), device=self.pool.device)
+        return self._flat[:, :, idx].clone()

@@ -1,0 +1,431 @@
+"""`TorchEngine`: the reference `TargetEngine` in plain PyTorch (CPU, or CUDA when present), paged KV, tree verify.
+
+One `verify` = one forward for the whole batch. Every request contributes the segment [root, nodes...]; the
+segments are packed along the token axis for every linear layer (no padding). Attention is the only per-request
+part: each request reads its cached context plus its own new tokens, through a mask in which every node sees the
+context, the root, its ancestors and itself (`DraftTree.attention_mask`). That part runs as one padded SDPA call
+over the batch (queries padded to the largest segment, keys to the longest context).
+
+KV bookkeeping for one request with `ctx_len` cached tokens and a tree of n nodes:
+
+    slots:  [0 .. ctx_len)            context (positions 0..ctx_len-1)
+            ctx_len                   root       (position ctx_len)
+            ctx_len + 1 + i           node i     (position ctx_len + depth[i])   <- temporary, written by verify
+    commit(accepted=[a0, a1]):        slots of root, a0, a1 move to ctx_len, ctx_len+1, ctx_len+2; ctx_len += 3;
+                                      blocks past the new context return to the free list.
+
+A request may be verified again before `commit` (the temporary slots are simply overwritten).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import KeysView
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from drafter.tree import DraftTree, InvalidTreeError
+from trt_engines.base import (
+    KVCacheFullError,
+    RequestError,
+    SamplingParams,
+    VerifyItem,
+    VerifyOutput,
+    VerifyResult,
+)
+from trt_engines.kv_cache import PagedKVCache
+from trt_engines.llama import Transformer
+from trt_engines.prepare import resolve_model_dir
+
+
+@dataclass
+class _Request:
+    sampling: SamplingParams
+    generator: torch.Generator | None  # None for greedy requests
+    ctx_len: int  # tokens whose K/V are cached
+    root: int  # last accepted token, not cached yet
+    pending: DraftTree | None = None  # tree of the last verify, until commit
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """One sequence of a packed forward: `tokens` at `positions`, written to slots ctx_len.., seeing the context and
+    the new tokens through `local_mask` [T, T]."""
+
+    request_id: object
+    ctx_len: int
+    tokens: np.ndarray  # int64 [T]
+    positions: np.ndarray  # int64 [T]
+    local_mask: np.ndarray  # bool [T, T]
+
+
+class _PagedAttention:
+    """Attention fn for one packed forward over `segments` (see `trt_engines.llama.AttentionFn`).
+
+    Built once per forward (index and mask tensors), then called once per layer: write the new K/V into their
+    slots, gather each request's [context + new] K/V into a padded batch, one SDPA with the combined mask.
+    """
+
+    def __init__(self, cache: PagedKVCache, segments: Sequence[_Segment], *, group: int, device: torch.device):
+        self.cache, self.group = cache, group
+        B = len(segments)
+        lens = [len(s.tokens) for s in segments]
+        self.B, self.Tq = B, max(lens)
+        self.L = max(s.ctx_len + n for s, n in zip(segments, lens))
+        write, gather = [], np.zeros((B, self.L), np.int64)  # pad keys with flat slot 0, masked out below
+        mask = np.zeros((B, self.Tq, self.L), bool)
+        for b, (s, n) in enumerate(zip(segments, lens)):
+            slots = cache.flat_slots(s.request_id, 0, s.ctx_len + n)
+            write.append(slots[s.ctx_len :])
+            gather[b, : s.ctx_len + n] = slots
+            mask[b, :n, : s.ctx_len] = True
+            mask[b, :n, s.ctx_len : s.ctx_len + n] = s.local_mask
+            mask[b, n:, 0] = True  # padded query rows: see one key so softmax stays finite; rows are dropped
+        self.write = torch.as_tensor(np.concatenate(write), device=device)
+        self.gather = torch.as_tensor(gather.reshape(-1), device=device)
+        self.padded = not all(n == self.Tq for n in lens)
+        if self.padded:
+            dest = np.concatenate([b * self.Tq + np.arange(n) for b, n in enumerate(lens)])
+            self.dest = torch.as_tensor(dest, device=device)
+        if mask.all():
+            self.mask = None  # plain decoding of one request: everything visible
+        else:
+            m = torch.as_tensor(mask, device=device)[:, None, None]  # [B, 1, 1, Tq, L]
+            # GQA: the `group` query heads sharing a KV head are stacked along the query axis (see __call__).
+            self.mask = m.expand(B, 1, group, self.Tq, self.L).reshape(B, 1, group * self.Tq, self.L)
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        B, Tq, L, g = self.B, self.Tq, self.L, self.group
+        T, H, D = q.shape
+        KV = k.shape[1]
+        kf, vf = self.cache.flat(layer, 0), self.cache.flat(layer, 1)
+        kf.index_copy_(0, self.write, k.to(kf.dtype))
+        vf.index_copy_(0, self.write, v.to(vf.dtype))
+        keys = kf.index_select(0, self.gather).view(B, L, KV, D).transpose(1, 2)  # [B, KV, L, D]
+        values = vf.index_select(0, self.gather).view(B, L, KV, D).transpose(1, 2)
+        if self.padded:
+            q = q.new_zeros(B * Tq, H, D).index_copy_(0, self.dest, q)
+        # [B, Tq, KV, g, D] -> [B, KV, g * Tq, D]: no K/V repeat needed for GQA.
+        q = q.view(B, Tq, KV, g, D).permute(0, 2, 3, 1, 4).reshape(B, KV, g * Tq, D)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask)
+        out = out.view(B, KV, g, Tq, D).permute(0, 3, 1, 2, 4).reshape(B * Tq, H * D)
+        return out.index_select(0, self.dest) if self.padded else out
+
+
+def sample_tokens(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> Tensor:
+    """One independent target token per row of `logits` [R, V] (fp32): argmax, or a draw from the filtered softmax."""
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    logits = logits / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        drop = probs.cumsum(dim=-1) - probs >= params.top_p  # mass before this token already reaches top_p
+        drop[:, 0] = False
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, -math.inf))
+    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)[:, 0]
+
+
+class TorchEngine:
+    """The reference target engine (see the module docstring for the KV layout).
+
+    Example:
+
+        engine = TorchEngine("default", dtype=torch.float32)
+        root = engine.add_request("a", [1, 9690, 28], SamplingParams())
+        out = engine.verify([VerifyItem("a", DraftTree.chain([root_guess]))])
+        acc = orchestrator.acceptance.accept(tree, out.results[0].target_tokens)
+        engine.commit("a", acc.accepted_nodes, next_root=acc.bonus_token)
+    """
+
+    def __init__(
+        self,
+        model: str = "default",
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        device: str | torch.device | None = None,
+        num_blocks: int | None = None,
+        block_size: int = 16,
+        max_context: int | None = None,
+    ):
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = dtype
+        self.model = Transformer.from_folder(resolve_model_dir(model), dtype=dtype, device=self.device)
+        args = self.model.args
+        self.args = args
+        self.vocab_size: int = args.vocab_size
+        self.eos_token_ids: tuple[int, ...] = args.eos_token_ids
+        limit = args.max_position_embeddings
+        if max_context is not None and not (2 <= max_context <= limit):
+            raise ValueError(f"max_context must lie in [2, {limit}] (the model's max_position_embeddings); got {max_context}")
+        self.max_context: int = max_context or limit
+        if num_blocks is None:
+            num_blocks = -(-8 * self.max_context // block_size)  # room for 8 full-length requests
+        self.kv = PagedKVCache(
+            n_layers=args.n_layers, n_kv_heads=args.n_kv_heads, head_dim=args.head_dim, num_blocks=num_blocks,
+            block_size=block_size, dtype=dtype, device=self.device,
+        )
+        self._requests: dict[object, _Request] = {}
+
+    # ---- capacity -------------------------------------------------------------------------------------------
+
+    @property
+    def requests(self) -> KeysView:
+        """Ids of the active requests (a live view)."""
+        return self._requests.keys()
+
+    def free_blocks(self) -> int:
+        return self.kv.free_blocks()
+
+    def total_blocks(self) -> int:
+        return self.kv.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return self.kv.blocks_needed(num_tokens)
+
+    def can_admit(self, prompt_len: int, max_new_tokens: int, *, tree_nodes: int = 0) -> bool:
+        """Whether a request of this size fits in the free blocks now (with room for `tree_nodes` temporary slots)."""
+        return self.blocks_needed(prompt_len + max_new_tokens + tree_nodes) <= self.free_blocks()
+
+    def context_length(self, request_id) -> int:
+        return self._get(request_id).ctx_len
+
+    # ---- lifecycle ------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def add_request(self, request_id, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams()) -> int:
+        """Prefill `prompt_ids` and return the first generated token (the root of the first verify)."""
+        if not isinstance(sampling, SamplingParams):
+            raise RequestError(request_id, f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        try:
+            hash(request_id)
+        except TypeError:
+            raise RequestError(request_id, "request ids must be hashable (str or int)") from None
+        if request_id in self._requests:
+            raise RequestError(request_id, "already active; release it first or use a new id")
+        prompt = self._check_ids(request_id, prompt_ids, "prompt")
+        if len(prompt) == 0:
+            raise RequestError(request_id, "empty prompt; pass at least one token (e.g. the BOS token)")
+        if len(prompt) >= self.max_context:
+            raise RequestError(
+                request_id, f"prompt has {len(prompt)} tokens; the context limit is {self.max_context} and one more "
+                "position is needed to generate: truncate the prompt"
+            )
+        if self.kv.blocks_needed(len(prompt)) > self.kv.free_blocks():
+            raise KVCacheFullError(
+                request_id, f"prompt needs {self.kv.blocks_needed(len(prompt))} KV blocks, {self.kv.free_blocks()} "
+                "free: retry after other requests finish"
+            )
+        generator = None
+        if not sampling.greedy:
+            generator = torch.Generator(device=self.device)
+            if sampling.seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(sampling.seed)
+        req = _Request(sampling=sampling, generator=generator, ctx_len=0, root=-1)
+        self._requests[request_id] = req
+        try:
+            self.kv.ensure(request_id, len(prompt))
+            n = len(prompt)
+            seg = _Segment(request_id, 0, prompt, np.arange(n), np.tril(np.ones((n, n), bool)))
+            hidden = self._forward([seg])
+            logits = self.model.logits(hidden[-1:])
+            req.root = int(sample_tokens(logits, sampling, generator)[0])
+            req.ctx_len = n
+        except BaseException:
+            self._requests.pop(request_id, None)
+            self.kv.release(request_id)
+            raise
+        return req.root
+
+    @torch.inference_mode()
+    def verify(self, items: Sequence[VerifyItem]) -> VerifyOutput:
+        """Target tokens at the root and every node of every item's tree, in one forward over the whole batch."""
+        t0 = time.perf_counter()
+        items = list(items)
+        if not items:
+            raise ValueError("verify needs at least one VerifyItem")
+        seen: set = set()
+        extra = 0
+        for item in items:  # validate everything before touching any state
+            if not isinstance(item, VerifyItem) or not isinstance(item.tree, DraftTree):
+                raise ValueError(f"verify takes VerifyItem(request_id, DraftTree) objects; got {item!r}")
+            rid = item.request_id
+            req = self._get(rid)
+            if rid in seen:
+                raise RequestError(rid, "appears twice in one verify batch")
+            seen.add(rid)
+            try:
+                item.tree.validate(self.vocab_size)
+            except InvalidTreeError as e:
+                raise RequestError(rid, f"invalid draft tree: {e}") from None
+            n = len(item.tree)
+            if req.ctx_len + n + 1 > self.max_context:
+                raise RequestError(
+                    rid, f"context {req.ctx_len} + root + {n} tree nodes exceeds the context limit "
+                    f"{self.max_context}: send a smaller tree or finish the request"
+                )
+            extra += self.kv.extra_blocks(rid, req.ctx_len + n + 1)
+            if extra > self.kv.free_blocks():
+                raise KVCacheFullError(
+                    rid, f"the batch needs {extra} more KV blocks than the {self.kv.free_blocks()} free: "
+                    "verify fewer nodes or requests, or release a request"
+                )
+        segments = []
+        for item in items:
+            req, tree = self._requests[item.request_id], item.tree
+            self.kv.ensure(item.request_id, req.ctx_len + len(tree) + 1)
+            tokens = np.concatenate([[req.root], tree.tokens]).astype(np.int64)
+            positions = req.ctx_len + tree.position_offsets().astype(np.int64)
+            segments.append(_Segment(item.request_id, req.ctx_len, tokens, positions, tree.attention_mask()))
+        t1 = time.perf_counter()
+        hidden = self._forward(segments)
+        logits = self.model.logits(hidden)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t2 = time.perf_counter()
+        targets = self._sample(segments, logits)
+        results = []
+        for item, seg, tok in zip(items, segments, targets):
+            self._requests[item.request_id].pending = item.tree
+            results.append(VerifyResult(item.request_id, tok))
+        t3 = time.perf_counter()
+        timings = {
+            "prepare_ms": (t1 - t0) * 1e3, "forward_ms": (t2 - t1) * 1e3, "sample_ms": (t3 - t2) * 1e3,
+            "total_ms": (t3 - t0) * 1e3, "num_tokens": float(sum(len(s.tokens) for s in segments)),
+        }
+        return VerifyOutput(results, timings)
+
+    def commit(self, request_id, accepted_node_ids: Sequence[int], next_root: int) -> None:
+        """Cache the root and the accepted path of the last verified tree; `next_root` (the bonus token) becomes the root.
+
+        `accepted_node_ids` lists tree nodes from the root's child downwards (each the parent of the next).
+        """
+        req = self._get(request_id)
+        tree = req.pending
+        if tree is None:
+            raise RequestError(request_id, "commit without a preceding verify")
+        acc = np.asarray(accepted_node_ids, dtype=np.int64).reshape(-1) if len(accepted_node_ids) else np.zeros(0, np.int64)
+        if acc.size and (acc.min() < 0 or acc.max() >= len(tree)):
+            raise RequestError(request_id, f"accepted node ids {acc.tolist()} outside the tree's 0..{len(tree) - 1}")
+        expected_parent = -1
+        for node in acc.tolist():
+            if int(tree.parents[node]) != expected_parent:
+                raise RequestError(
+                    request_id, f"accepted nodes {acc.tolist()} are not a root path: node {node}'s parent is "
+                    f"{int(tree.parents[node])}, expected {expected_parent}"
+                )
+            expected_parent = node
+        self._check_ids(request_id, [next_root], "next_root")
+        ctx = req.ctx_len
+        src = self.kv.flat_slots(request_id, ctx, ctx + len(tree) + 1)[np.concatenate([[0], acc + 1])]
+        dst = self.kv.flat_slots(request_id, ctx, ctx + 1 + acc.size)
+        moved = src != dst  # an accepted chain prefix is already in place
+        with torch.inference_mode():
+            self.kv.move(src[moved], dst[moved])
+        req.ctx_len = ctx + 1 + int(acc.size)
+        self.kv.shrink(request_id, req.ctx_len)
+        req.root = int(next_root)
+        req.pending = None
+
+    def release(self, request_id) -> None:
+        self._get(request_id)
+        del self._requests[request_id]
+        self.kv.release(request_id)
+
+    # ---- debugging / tests / benchmarks ---------------------------------------------------------------------
+
+    def kv_snapshot(self, request_id) -> Tensor:
+        """Debug: [n_layers, 2, ctx_len, n_kv_heads, head_dim] copy of the request's cached K/V."""
+        return self.kv.gather(request_id, self._get(request_id).ctx_len)
+
+    @torch.inference_mode()
+    def debug_logits(self, prompts: Sequence[Sequence[int]]) -> list[Tensor]:
+        """Debug: fp32 logits [len, vocab] of every position of each prompt, all prompts packed in one paged forward.
+
+        Uses temporary requests (freed before returning); raises KVCacheFullError if they do not fit.
+        """
+        ids = [object() for _ in prompts]
+        arrays = [self._check_ids("debug", p, "prompt") for p in prompts]
+        need = sum(self.kv.blocks_needed(len(a)) for a in arrays)
+        if need > self.kv.free_blocks():
+            raise KVCacheFullError("debug", f"needs {need} KV blocks, {self.kv.free_blocks()} free")
+        try:
+            segments = []
+            for rid, a in zip(ids, arrays):
+                self.kv.ensure(rid, len(a))
+                segments.append(_Segment(rid, 0, a, np.arange(len(a)), np.tril(np.ones((len(a), len(a)), bool))))
+            logits = self.model.logits(self._forward(segments))
+        finally:
+            for rid in ids:
+                self.kv.release(rid)
+        return list(logits.split([len(a) for a in arrays]))
+
+    def add_synthetic_request(self, request_id, ctx_len: int, *, root: int = 0, sampling: SamplingParams = SamplingParams()) -> None:
+        """Benchmarks only: a request whose `ctx_len` cached K/V are random values (step time does not depend on them)."""
+        if request_id in self._requests:
+            raise RequestError(request_id, "already active")
+        if not 0 <= ctx_len < self.max_context:
+            raise RequestError(request_id, f"ctx_len must lie in [0, {self.max_context})")
+        if self.kv.blocks_needed(ctx_len) > self.kv.free_blocks():
+            raise KVCacheFullError(request_id, f"needs {self.kv.blocks_needed(ctx_len)} blocks, {self.free_blocks()} free")
+        self.kv.ensure(request_id, ctx_len)
+        idx = torch.as_tensor(self.kv.flat_slots(request_id, 0, ctx_len), device=self.device)
+        for layer in range(self.args.n_layers):
+            for kind in (0, 1):
+                flat = self.kv.flat(layer, kind)
+                flat[idx] = torch.randn(ctx_len, *flat.shape[1:], device=self.device).to(flat.dtype)
+        gen = None if sampling.greedy else torch.Generator(device=self.device).manual_seed(sampling.seed or 0)
+        self._requests[request_id] = _Request(sampling=sampling, generator=gen, ctx_len=ctx_len, root=int(root))
+
+    # ---- internals ------------------------------------------------------------------------------------------
+
+    def _get(self, request_id) -> _Request:
+        try:
+            return self._requests[request_id]
+        except (KeyError, TypeError):
+            raise RequestError(request_id, "unknown request (never added, or already released)") from None
+
+    def _check_ids(self, request_id, ids, what: str) -> np.ndarray:
+        try:
+            arr = np.asarray(ids)
+        except Exception:
+            raise RequestError(request_id, f"{what} must be a sequence of int token ids") from None
+        if arr.size == 0:
+            return np.zeros(0, np.int64)
+        if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+            raise RequestError(request_id, f"{what} must be a 1-D sequence of int token ids; got dtype {arr.dtype}, shape {arr.shape}")
+        if arr.min() < 0 or arr.max() >= self.vocab_size:
+            bad = int(arr[(arr < 0) | (arr >= self.vocab_size)][0])
+            raise RequestError(request_id, f"{what} token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        return arr.astype(np.int64)
+
+    def _forward(self, segments: Sequence[_Segment]) -> Tensor:
+        tokens = torch.as_tensor(np.concatenate([s.tokens for s in segments]), device=self.device)
+        positions = torch.as_tensor(np.concatenate([s.positions for s in segments]), device=self.device)
+        attention = _PagedAttention(self.kv, segments, group=self.args.group_size, device=self.device)
+        return self.model(tokens, positions, attention)
+
+    def _sample(self, segments: Sequence[_Segment], logits: Tensor) -> list[np.ndarray]:
+        rows = logits.split([len(s.tokens) for s in segments])
+        out: list[np.ndarray | None] = [None] * len(segments)
+        greedy = [i for i, s in enumerate(segments) if self._requests[s.request_id].sampling.greedy]
+        if greedy:  # one argmax over all greedy rows
+            picked = torch.cat([rows[i] for i in greedy]).argmax(dim=-1).to(torch.int32).cpu().numpy()
+            for i, part in zip(greedy, np.split(picked, np.cumsum([len(segments[i].tokens) for i in greedy])[:-1])):
+                out[i] = part
+        for i, s in enumerate(segments):
+            if out[i] is None:
+                req = self._requests[s.request_id]
+                out[i] = sample_tokens(rows[i], req.sampling, req.generator).to(torch.int32).cpu().numpy()
+        return out  # type: ignore[return-value]
