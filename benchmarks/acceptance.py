@@ -1,0 +1,217 @@
+"""Drafter-only acceptance benchmark on recorded greedy trajectories (SSSD's offline method, `tools/replay.py`).
+
+    python -m benchmarks.acceptance                 # every eval prompt set, B in 1..64, every method
+    python -m benchmarks.acceptance --quick         # a smoke run: 12 prompts per set, B in {8, 32}
+
+Methods, all behind the same lifecycle API and replayed on the same trajectories in one process:
+  fused / input / datastore   ours (SSSD fusion; input index only; datastores only), calibrated by
+                              <datastore>/calibration.json when present (tools/calibrate.py)
+  fused-path                  ours reduced to the most probable root-to-leaf path (what a linear-draft engine
+                              such as TensorRT-LLM's external draft tokens verifies)
+  pld / pld-recent            prompt lookup decoding, vLLM v1 NgramProposer semantics (earliest / latest match)
+  aded                        ADED's retriever, PyPI `draftretriever` (third-party code) over the same documents
+  rest-rules                  REST's retrieval rules REIMPLEMENTED on our datastore (labelled: REST's own
+                              DraftRetriever is not installable here)
+Datastore: the default one (chitchat-dataset training split + CPython stdlib source).
+
+Writes benchmarks/results/acceptance.json (+ .md, + acceptance.png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.peers import AdedDrafter, PromptLookupDrafter, RestRulesDrafter
+from datastore import Datastore
+from datastore.paths import default_datastore_dir
+from drafter.drafter import Drafter, DrafterConfig
+from drafter.tree import DraftTree
+from tools.prompt_sets import PROMPT_SETS
+from tools.replay import replay
+from tools.trajectories import load_trajectories, trajectory_path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+BUDGETS = (1, 2, 4, 8, 16, 32, 64)
+METHODS = ("fused", "fused-path", "input", "datastore", "pld", "pld-recent", "aded", "rest-rules")
+
+
+class BestPathDrafter:
+    """Wraps a tree drafter: each tree is reduced to its most probable root-to-leaf path (a linear draft)."""
+
+    name = "fused-path"
+
+    def __init__(self, inner: Drafter) -> None:
+        self.inner = inner
+        self.start_request, self.extend, self.stop_request = inner.start_request, inner.extend, inner.stop_request
+
+    def draft(self, batch) -> list[DraftTree]:
+        return [tree.best_path() for tree in self.inner.draft(batch)]
+
+
+def make_methods(datastore: Datastore, aded_index: Path, methods: list[str]) -> dict[str, object]:
+    made: dict[str, object] = {}
+    for name in methods:
+        if name in ("fused", "input", "datastore"):
+            made[name] = Drafter(DrafterConfig(sources=name), datastores=[datastore])
+        elif name == "fused-path":
+            made[name] = BestPathDrafter(Drafter(DrafterConfig(sources="fused"), datastores=[datastore]))
+        elif name == "pld":
+            made[name] = PromptLookupDrafter()
+        elif name == "pld-recent":
+            made[name] = PromptLookupDrafter(most_recent=True)
+        elif name == "aded":
+            if not aded_index.is_file():
+                started = time.perf_counter()
+                AdedDrafter.build_index(str(aded_index), datastore.documents(), datastore.vocab_size)
+                print(f"built the draftretriever index in {time.perf_counter() - started:.0f} s -> {aded_index}")
+            made[name] = AdedDrafter(str(aded_index))
+        elif name == "rest-rules":
+            made[name] = RestRulesDrafter(datastore)
+    return made
+
+
+def run(sets: list[str], budgets: list[int], methods: list[str], *, limit: int | None) -> dict:
+    datastore = Datastore.open(default_datastore_dir())
+    drafters = make_methods(datastore, default_datastore_dir() / "draftretriever.idx", methods)
+    rows = []
+    for set_name in sets:
+        trajectories = load_trajectories(trajectory_path(set_name, "eval"))[:limit]
+        for budget in budgets:
+            for name, drafter in drafters.items():
+                result = replay(drafter, trajectories, budget=budget)
+                row = {
+                    "set": set_name, "budget": budget, "method": name, "tau": result.tau, "steps": result.steps,
+                    "tokens": result.tokens, "draft_us_p50": result.draft_us_p50,
+                    "draft_us_p99": float(np.percentile(result.draft_us, 99)) if result.draft_us else 0.0,
+                    "mean_tree_size": float(np.mean(result.tree_sizes)) if result.tree_sizes else 0.0,
+                    "calibration_mae": result.calibration_mae,
+                }
+                rows.append(row)
+                print(f"{set_name:10s} B={budget:<3d} {name:11s} tau={row['tau']:.3f} "
+                      f"draft p50={row['draft_us_p50']:.0f}us mae={row['calibration_mae']:.3f}", flush=True)
+    return {"rows": rows, "datastore": repr(datastore)}
+
+
+def summarize(rows: list[dict], sets: list[str]) -> dict:
+    def tau(set_name, method, budget):
+        return next((r["tau"] for r in rows if (r["set"], r["method"], r["budget"]) == (set_name, method, budget)), None)
+
+    summary: dict[str, float] = {}
+    ratios, dominance = [], []
+    for s in sets:
+        for method in ("fused", "pld", "aded", "rest-rules", "fused-path"):
+            value = tau(s, method, 32)
+            if value is not None:
+                summary[f"tau_{method.replace('-rules', '').replace('-', '_')}_b32_{s}"] = value
+        fused_row = next((r for r in rows if (r["set"], r["method"], r["budget"]) == (s, "fused", 32)), None)
+        if fused_row:
+            summary[f"draft_us_p50_fused_b32_{s}"] = fused_row["draft_us_p50"]
+        peers = [tau(s, m, 32) for m in ("pld", "aded", "rest-rules")]
+        peers = [p for p in peers if p is not None]
+        if fused_row and peers:
+            ratios.append(fused_row["tau"] / max(peers))
+        for b in sorted({r["budget"] for r in rows}):
+            parts = [tau(s, m, b) for m in ("fused", "input", "datastore")]
+            if None not in parts:
+                dominance.append(parts[0] >= max(parts[1:]) - 1e-9)
+    if ratios:
+        summary["fused_vs_best_peer_b32_min"] = min(ratios)
+    if dominance:
+        summary["fused_dominates_single_sources"] = float(all(dominance))
+    fused_rows = [r for r in rows if r["method"] == "fused"]
+    if fused_rows:
+        summary["calibration_mae"] = float(np.mean([r["calibration_mae"] for r in fused_rows]))
+    aded = [r["draft_us_p50"] for r in rows if r["method"] == "aded" and r["budget"] == 32]
+    fused = [r["draft_us_p50"] for r in rows if r["method"] == "fused" and r["budget"] == 32]
+    if aded and fused:
+        summary["fused_draft_us_over_aded_b32_max"] = max(f / a for f, a in zip(fused, aded))
+    return summary
+
+
+def write_markdown(path: Path, result: dict) -> None:
+    rows, summary = result["rows"], result["summary"]
+    sets = sorted({r["set"] for r in rows}, key=lambda s: PROMPT_SETS.index(s))
+    methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
+    lines = [
+        "# Acceptance: tokens per step (tau) on recorded greedy trajectories",
+        "",
+        f"Command: `{result['command']}`. Datastore: {result['datastore']}. Machine: {result['machine']}.",
+        "tau = tokens produced by decoding steps / steps (accepted + bonus). `rest-rules` is REST's retrieval rules",
+        "reimplemented on our datastore (REST's DraftRetriever is not on PyPI); `aded` is the PyPI `draftretriever`.",
+        "",
+    ]
+    for s in sets:
+        budgets = sorted({r["budget"] for r in rows if r["set"] == s})
+        lines += [f"## {s}", "", "| method | " + " | ".join(f"B={b}" for b in budgets) + " | draft µs p50 @B=32 |",
+                  "|---|" + "---|" * (len(budgets) + 1)]
+        for m in methods:
+            cells = []
+            for b in budgets:
+                row = next((r for r in rows if (r["set"], r["method"], r["budget"]) == (s, m, b)), None)
+                cells.append(f"{row['tau']:.3f}" if row else "–")
+            at32 = next((r for r in rows if (r["set"], r["method"], r["budget"]) == (s, m, 32)), None)
+            lines.append(f"| {m} | " + " | ".join(cells) + f" | {at32['draft_us_p50']:.0f} |" if at32 else
+                         f"| {m} | " + " | ".join(cells) + " | – |")
+        lines.append("")
+    lines += ["## Summary", "", "```json", json.dumps(summary, indent=2), "```", ""]
+    lines += result.get("notes", [])
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot(path: Path, rows: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sets = sorted({r["set"] for r in rows}, key=lambda s: PROMPT_SETS.index(s))
+    fig, axes = plt.subplots(1, len(sets), figsize=(4.2 * len(sets), 3.6), squeeze=False)
+    for ax, s in zip(axes[0], sets):
+        for m in METHODS:
+            pts = sorted((r["budget"], r["tau"]) for r in rows if r["set"] == s and r["method"] == m)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=m, linewidth=2 if m == "fused" else 1)
+        ax.set_xscale("log", base=2)
+        ax.set_title(s)
+        ax.set_xlabel("budget B (nodes)")
+        ax.set_ylabel("tau (tokens / step)")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sets", nargs="+", default=list(PROMPT_SETS), choices=PROMPT_SETS)
+    parser.add_argument("--budgets", nargs="+", type=int, default=list(BUDGETS))
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--limit", type=int, default=None, help="prompts per set (default: all)")
+    parser.add_argument("--quick", action="store_true", help="12 prompts per set, B in {8, 32}; separate output files")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.limit, args.budgets = args.limit or 12, [8, 32]
+    started = time.perf_counter()
+    result = run(args.sets, args.budgets, args.methods, limit=args.limit)
+    result["summary"] = summarize(result["rows"], args.sets)
+    result["command"] = "python -m benchmarks.acceptance" + (" --quick" if args.quick else "")
+    result["machine"] = f"{platform.machine()}, {platform.processor() or 'cpu'}, {__import__('os').cpu_count()} cores"
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    name = "acceptance_quick" if args.quick else "acceptance"
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_markdown(RESULTS / f"{name}.md", result)
+    if not args.quick:
+        plot(RESULTS / "acceptance.png", result["rows"])
+    print(json.dumps(result["summary"], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

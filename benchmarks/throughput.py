@@ -1,0 +1,274 @@
+"""Offline throughput of the serving core: policies side by side on the same engine, drafter and prompts.
+
+    python -m benchmarks.throughput                  # full run (tens of minutes on 2 CPU cores)
+    python -m benchmarks.throughput --quick          # the `make demo` version: a few minutes, separate files
+
+For each prompt set (recorded eval prompts, `tools/record_trajectories.py`) and concurrency cap, every policy
+(`none`, `fixed:4`, `fixed:16`, `fixed:32`, `roofline`, `goodput`) serves the same prompts through `Orchestrator`
+(all requests submitted at t=0, at most `cap` running). Reports output tokens/s, mean and p90 request latency,
+tau (tokens per request-step) and speedup over `none`; the step-time model's median relative error over every
+step; and losslessness: an fp32 run in which every policy's outputs must equal `none`'s token for token
+(`identical_outputs_fraction`), plus, for the bf16 runs, each divergence from `none` with the gap between the top-2
+target logits at the first differing position (only near-ties may diverge).
+
+Writes benchmarks/results/throughput.json (+ .md, + throughput.png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from datastore import Datastore
+from datastore.paths import default_datastore_dir
+from drafter.drafter import Drafter, DrafterConfig
+from orchestrator.budget import BudgetController, BudgetPolicy
+from orchestrator.core import Orchestrator
+from orchestrator.profiling import fit_step_model
+from orchestrator.request import GenerationRequest
+from orchestrator.roofline import ModelShape, StepTimeModel
+from tools.profile_hardware import profile
+from tools.prompt_sets import PROMPT_SETS
+from tools.trajectories import load_trajectories, trajectory_path
+from trt_engines.prepare import resolve_model_dir
+from trt_engines.torch_engine import TorchEngine
+
+RESULTS = Path(__file__).resolve().parent / "results"
+POLICIES = ("none", "fixed:4", "fixed:16", "fixed:32", "roofline", "goodput")
+
+
+def build_stack(dtype: torch.dtype, *, num_blocks: int, max_nodes: int = 64):
+    engine = TorchEngine("default", dtype=dtype, num_blocks=num_blocks)
+    datastore = Datastore.open(default_datastore_dir())
+    drafter = Drafter(DrafterConfig(max_budget=max_nodes), datastores=[datastore])
+    dtype_name = "float32" if dtype == torch.float32 else "bfloat16"
+    step_model = StepTimeModel(ModelShape.from_config(resolve_model_dir("default")), profile("cpu"), dtype=dtype_name)
+    fit_error = fit_step_model(engine, step_model)
+    return engine, drafter, step_model, fit_error
+
+
+def serve(engine, drafter, step_model, policy: str, prompts: list[np.ndarray], *, cap: int, max_tokens: int):
+    """Serve every prompt (all arriving at t=0) with at most `cap` running; per-request outputs and timings."""
+    controller = BudgetController(BudgetPolicy.parse(policy), step_model)
+    orchestrator = Orchestrator(engine, drafter, controller, max_running=cap)
+    finished: dict[str, float] = {}
+    outputs: dict[str, list[int]] = {}
+    steps: dict[str, int] = {}
+
+    def collect(out):
+        outputs.setdefault(out.request_id, []).extend(out.token_ids)
+        if out.finished:
+            finished[out.request_id] = time.perf_counter()
+            steps[out.request_id] = out.stats.steps
+
+    started = time.perf_counter()
+    ids = [orchestrator.submit(GenerationRequest(prompt_ids=tuple(int(t) for t in p), max_tokens=max_tokens),
+                               collect, request_id=f"p{i}") for i, p in enumerate(prompts)]
+    orchestrator.run_until_idle()
+    wall = time.perf_counter() - started
+    latencies = np.array([finished[i] - started for i in ids])
+    n_tokens = sum(len(outputs[i]) for i in ids)
+    records = list(orchestrator.records)
+    step_errors = [abs(r.predicted_s - r.measured_s) / r.measured_s for r in records if r.measured_s > 0]
+    return {
+        "outputs": [outputs[i] for i in ids],
+        "tokens": n_tokens,
+        "seconds": wall,
+        "tokens_per_s": n_tokens / wall,
+        "latency_mean_s": float(latencies.mean()),
+        "latency_p90_s": float(np.percentile(latencies, 90)),
+        # tokens per request-step: the first token comes from prefill, the rest from verification steps
+        "tau": (n_tokens - len(ids)) / max(sum(steps.values()), 1),
+        "mean_nodes_per_request_step": float(np.mean([np.mean(r.nodes) for r in records])) if records else 0.0,
+        "step_rel_errors": step_errors,
+        "drafter_fallbacks": orchestrator.drafter_fallbacks,
+    }
+
+
+def first_divergence_gap(engine, prompt: np.ndarray, reference: list[int], other: list[int]) -> dict:
+    """Where `other` first differs from `reference`: the position and the target's top-2 logit gap there."""
+    at = next(i for i, (a, b) in enumerate(zip(reference, other)) if a != b)
+    logits = engine.debug_logits([list(prompt) + reference[:at]])[0][-1].float()
+    top2 = torch.topk(logits, 2).values
+    return {"position": at, "top2_logit_gap": float(top2[0] - top2[1])}
+
+
+def run(sets: list[str], caps: list[int], policies: list[str], *, prompts_per_cap, max_tokens: int,
+        identity_prompts: int) -> dict:
+    torch.set_num_threads(os.cpu_count() or 2)
+    engine, drafter, step_model, fit_error = build_stack(torch.bfloat16, num_blocks=4096)
+    rows, divergences, all_errors = [], [], []
+    for set_name in sets:
+        trajectories = load_trajectories(trajectory_path(set_name, "eval"))
+        for cap in caps:
+            prompts = [t.prompt_ids for t in trajectories[: prompts_per_cap(cap)]]
+            reference = None
+            for policy in policies:
+                result = serve(engine, drafter, step_model, policy, prompts, cap=cap, max_tokens=max_tokens)
+                all_errors += result.pop("step_rel_errors")
+                outs = result.pop("outputs")
+                if policy == "none":
+                    reference = outs
+                elif reference is not None:
+                    for p, ref, out in zip(prompts, reference, outs):
+                        if ref != out:
+                            divergences.append({"set": set_name, "cap": cap, "policy": policy,
+                                                **first_divergence_gap(engine, p, ref, out)})
+                rows.append({"set": set_name, "cap": cap, "policy": policy, "prompts": len(prompts), **result})
+                base = next(r for r in rows if (r["set"], r["cap"], r["policy"]) == (set_name, cap, "none"))
+                rows[-1]["speedup"] = result["tokens_per_s"] / base["tokens_per_s"]
+                print(f"{set_name:10s} cap={cap:<3d} {policy:9s} {result['tokens_per_s']:7.1f} tok/s "
+                      f"tau={result['tau']:.2f} speedup={rows[-1]['speedup']:.2f} "
+                      f"p90={result['latency_p90_s']:.1f}s", flush=True)
+    identity = identity_check(sets, policies, identity_prompts, max_tokens=min(max_tokens, 48))
+    return {"rows": rows, "bf16_divergences": divergences, "step_fit_error": fit_error,
+            "step_model_median_abs_err": float(np.median(all_errors)) if all_errors else None,
+            "identity": identity}
+
+
+def identity_check(sets: list[str], policies: list[str], n_prompts: int, *, max_tokens: int) -> dict:
+    """fp32: every policy's outputs must equal `none`'s, token for token."""
+    engine, drafter, step_model, _ = build_stack(torch.float32, num_blocks=2048)
+    prompts = []
+    for set_name in sets:
+        prompts += [t.prompt_ids for t in load_trajectories(trajectory_path(set_name, "eval"))[: -(-n_prompts // len(sets))]]
+    reference = serve(engine, drafter, step_model, "none", prompts, cap=8, max_tokens=max_tokens)["outputs"]
+    compared = identical = 0
+    for policy in policies:
+        if policy == "none":
+            continue
+        outs = serve(engine, drafter, step_model, policy, prompts, cap=8, max_tokens=max_tokens)["outputs"]
+        compared += len(outs)
+        identical += sum(a == b for a, b in zip(reference, outs))
+    return {"prompts": len(prompts), "max_tokens": max_tokens, "compared": compared, "identical": identical,
+            "identical_outputs_fraction": identical / max(compared, 1)}
+
+
+def summarize(result: dict, sets: list[str]) -> dict:
+    rows = result["rows"]
+    summary: dict[str, float | None] = {}
+    for s in sets:
+        for cap in (1, 16):
+            row = next((r for r in rows if (r["set"], r["cap"], r["policy"]) == (s, cap, "goodput")), None)
+            if row:
+                summary[f"speedup_goodput_c{cap}_{s}"] = row["speedup"]
+    vs_fixed, vs_none = [], []
+    for s, cap in {(r["set"], r["cap"]) for r in rows}:
+        group = {r["policy"]: r["tokens_per_s"] for r in rows if (r["set"], r["cap"]) == (s, cap)}
+        fixed = [v for k, v in group.items() if k.startswith("fixed")]
+        if "goodput" in group and fixed:
+            vs_fixed.append(group["goodput"] / max(fixed))
+        if "goodput" in group and "none" in group:
+            vs_none.append(group["goodput"] / group["none"])
+    summary["goodput_vs_best_fixed_min"] = min(vs_fixed) if vs_fixed else None
+    summary["goodput_vs_none_min"] = min(vs_none) if vs_none else None
+    summary["step_model_median_abs_err"] = result["step_model_median_abs_err"]
+    summary["identical_outputs_fraction"] = result["identity"]["identical_outputs_fraction"]
+    summary["bf16_divergences"] = len(result["bf16_divergences"])
+    return summary
+
+
+def write_markdown(path: Path, result: dict) -> None:
+    rows = result["rows"]
+    lines = [
+        "# Offline throughput: speculation policies side by side",
+        "",
+        f"Command: `{result['command']}`. Model: SmolLM2-135M-Instruct, bf16, TorchEngine on {result['machine']}.",
+        f"{result['max_tokens']} new tokens per request; all requests arrive at t=0; at most `cap` run at once.",
+        "",
+        "| set | cap | policy | tok/s | speedup vs none | tau | nodes/req/step | latency mean s | latency p90 s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['set']} | {r['cap']} | {r['policy']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f} | "
+                     f"{r['tau']:.2f} | {r['mean_nodes_per_request_step']:.1f} | {r['latency_mean_s']:.2f} | "
+                     f"{r['latency_p90_s']:.2f} |")
+    ident = result["identity"]
+    lines += [
+        "",
+        f"Losslessness (fp32, {ident['prompts']} prompts x {ident['max_tokens']} tokens, every policy vs none): "
+        f"{ident['identical']}/{ident['compared']} identical.",
+        f"bf16 divergences from `none`: {len(result['bf16_divergences'])}"
+        + (" (position, top-2 logit gap): " + ", ".join(
+            f"{d['set']}/{d['policy']}@{d['position']}: {d['top2_logit_gap']:.3f}" for d in result["bf16_divergences"])
+           if result["bf16_divergences"] else ""),
+        f"Step-time model: median relative error {result['step_model_median_abs_err']:.3f} over every step "
+        f"(start-up fit error {result['step_fit_error']:.3f}).",
+        "",
+        "## Summary",
+        "",
+        "```json",
+        json.dumps(result["summary"], indent=2),
+        "```",
+    ]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot(path: Path, rows: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sets = sorted({r["set"] for r in rows}, key=lambda s: PROMPT_SETS.index(s))
+    fig, axes = plt.subplots(1, len(sets), figsize=(4.2 * len(sets), 3.6), squeeze=False)
+    for ax, s in zip(axes[0], sets):
+        for policy in POLICIES:
+            pts = sorted((r["cap"], r["speedup"]) for r in rows if r["set"] == s and r["policy"] == policy)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=policy, linewidth=2 if policy == "goodput" else 1)
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_title(s)
+        ax.set_xlabel("concurrency cap")
+        ax.set_ylabel("speedup over none")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sets", nargs="+", default=list(PROMPT_SETS), choices=PROMPT_SETS)
+    parser.add_argument("--caps", nargs="+", type=int, default=[1, 4, 16, 32])
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES))
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--identity-prompts", type=int, default=20)
+    parser.add_argument("--quick", action="store_true", help="2 sets, caps 1 and 4, 3 policies, 64 tokens")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.sets, args.caps = ["grounded", "mtbench"], [1, 4]
+        args.policies, args.max_tokens, args.identity_prompts = ["none", "fixed:16", "goodput"], 64, 4
+        prompts_per_cap = lambda cap: max(cap, 2)  # noqa: E731
+    else:
+        prompts_per_cap = lambda cap: max(2 * cap, 8)  # noqa: E731
+    for policy in args.policies:
+        BudgetPolicy.parse(policy)  # fail fast on a typo
+    started = time.perf_counter()
+    result = run(args.sets, args.caps, args.policies, prompts_per_cap=prompts_per_cap, max_tokens=args.max_tokens,
+                 identity_prompts=args.identity_prompts)
+    result["summary"] = summarize(result, args.sets)
+    result["command"] = "python -m benchmarks.throughput" + (" --quick" if args.quick else "")
+    result["machine"] = f"{platform.machine()} {os.cpu_count()} cores"
+    result["max_tokens"] = args.max_tokens
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    name = "throughput_quick" if args.quick else "throughput"
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_markdown(RESULTS / f"{name}.md", result)
+    if not args.quick:
+        plot(RESULTS / "throughput.png", result["rows"])
+    print((RESULTS / f"{name}.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

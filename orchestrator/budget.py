@@ -1,0 +1,179 @@
+"""Speculation budget: how many draft-tree nodes each running request sends to verification this step.
+
+Policies (`BudgetPolicy.parse`):
+- `none`: plain decoding, zero nodes.
+- `fixed:B`: B nodes per request (the most probable ones of its tree).
+- `roofline`: SSSD's hardware rule, s = I_knee / b tokens per request (root included), I_knee = the step-time
+  model's free budget (capped at 192 and rounded down to SSSD's grid), s rounded down to SSSD's grid.
+- `goodput` (default): every request's tree is drafted up to a generous cap; then nodes of the whole batch are
+  added in order of calibrated path probability while the predicted goodput
+
+        goodput(k) = (b + sum of the k best node probabilities) / predicted_step_seconds(k)
+
+  still rises, and the predicted step time stays within every request's TPOT objective. The expected tokens a
+  request gets from a step are 1 (bonus) + the sum of its selected node probabilities, because `probs` are
+  calibrated path-acceptance probabilities. When extra tokens cost as much as they are expected to return,
+  k = 0: speculation turns itself off.
+
+Node selection keeps trees valid: within a tree, probabilities never increase along a path and ties go to the
+lower (earlier, parents-first) index, so the k best nodes of a tree always include their ancestors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from drafter.tree import DraftTree
+from orchestrator.roofline import StepTimeModel
+
+_SSSD_KNEES = (16, 32, 48, 64, 96, 128, 160, 192)
+_SSSD_SPEC_LENGTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32)
+
+
+@dataclass(frozen=True)
+class BudgetPolicy:
+    kind: str = "goodput"
+    fixed_nodes: int = 0
+    max_nodes_per_request: int = 64  # the drafting cap for `goodput`, and an upper bound for every policy
+
+    @classmethod
+    def parse(cls, text: str, *, max_nodes_per_request: int = 64) -> "BudgetPolicy":
+        kind, _, arg = text.partition(":")
+        if kind == "fixed":
+            if not arg.isdigit() or int(arg) < 1:
+                raise ValueError(f"policy {text!r}: `fixed:B` needs a whole number of nodes B >= 1, e.g. fixed:16")
+            return cls("fixed", int(arg), max(max_nodes_per_request, int(arg)))
+        if kind in ("none", "roofline", "goodput") and not arg:
+            return cls(kind, 0, max_nodes_per_request)
+        raise ValueError(f"unknown budget policy {text!r}: use none, fixed:B, roofline or goodput")
+
+    def __str__(self) -> str:
+        return f"fixed:{self.fixed_nodes}" if self.kind == "fixed" else self.kind
+
+
+@dataclass(frozen=True)
+class BudgetDecision:
+    nodes: np.ndarray  # int32 [b]: nodes sent per request
+    predicted_step_s: float
+    predicted_tokens: np.ndarray  # float64 [b]: 1 + sum of selected node probabilities
+    no_speculation_step_s: float  # predicted time of the same step with zero nodes
+
+
+def prune_tree(tree: DraftTree, n: int) -> DraftTree:
+    """The `n` most probable nodes of `tree` (ties: lower index), parents-first; always a valid tree."""
+    if n >= len(tree):
+        return tree
+    if n <= 0:
+        return DraftTree.empty()
+    keep = np.sort(np.lexsort((np.arange(len(tree)), -tree.probs))[:n])
+    remap = np.full(len(tree), -1, np.int32)
+    remap[keep] = np.arange(n, dtype=np.int32)
+    parents = tree.parents[keep]
+    return DraftTree.from_arrays(
+        tokens=tree.tokens[keep],
+        parents=np.where(parents >= 0, remap[np.maximum(parents, 0)], -1),
+        probs=tree.probs[keep],
+        source=tree.source[keep],
+    )
+
+
+class BudgetController:
+    def __init__(self, policy: BudgetPolicy, step_model: StepTimeModel) -> None:
+        self.policy = policy
+        self.step_model = step_model
+
+    def draft_cap(self, num_running: int) -> int:
+        """Nodes per request to ask the drafter for before allocation."""
+        p = self.policy
+        if p.kind == "none" or num_running == 0:
+            return 0
+        if p.kind == "fixed":
+            return p.fixed_nodes
+        if p.kind == "roofline":
+            return self.roofline_nodes(num_running)
+        return p.max_nodes_per_request
+
+    def roofline_nodes(self, batch: int) -> int:
+        """SSSD's s = I_knee // b (root included), capped per batch size and snapped to SSSD's grid; minus the root."""
+        knee = min(self.step_model.free_budget(), 192)
+        knee = max([k for k in _SSSD_KNEES if k <= knee], default=_SSSD_KNEES[0])
+        cap = 32 if batch <= 1 else 64 // batch if batch <= 3 else 96 // batch if batch <= 6 else 512 // batch
+        s = min(knee // batch, cap)
+        s = max([v for v in _SSSD_SPEC_LENGTHS if v <= s], default=1)
+        return min(s - 1, self.policy.max_nodes_per_request)
+
+    def allocate(
+        self,
+        trees: Sequence[DraftTree],
+        context: np.ndarray,
+        *,
+        tpot_s: np.ndarray | None = None,
+    ) -> tuple[list[DraftTree], BudgetDecision]:
+        """Choose the nodes each request verifies this step; returns pruned trees and the decision."""
+        b = len(trees)
+        context = np.asarray(context, dtype=np.float64)
+        ones = np.ones(b)
+        base_s = self.step_model.predict(ones, context)
+        if self.policy.kind != "goodput":
+            cap = self.draft_cap(b)
+            pruned = [prune_tree(t, cap) for t in trees]
+            nodes = np.array([len(t) for t in pruned], dtype=np.int32)
+            tokens = ones + np.array([t.expected_accepted for t in pruned])
+            return pruned, BudgetDecision(nodes, self.step_model.predict(ones + nodes, context), tokens, base_s)
+
+        nodes, step_s, tokens = self._goodput_nodes(trees, context, tpot_s)
+        pruned = [prune_tree(t, int(n)) for t, n in zip(trees, nodes)]
+        return pruned, BudgetDecision(nodes, step_s, tokens, base_s)
+
+    def _goodput_nodes(self, trees, context, tpot_s):
+        b = len(trees)
+        model = self.step_model
+        ones = np.ones(b)
+        # Candidates of the whole batch, best first; per tree the order is the same as prune_tree's.
+        owner = np.concatenate([np.full(len(t), i, np.int64) for i, t in enumerate(trees)] + [np.empty(0, np.int64)])
+        probs = np.concatenate([t.probs.astype(np.float64) for t in trees] + [np.empty(0)])
+        index = np.concatenate([np.arange(len(t)) for t in trees] + [np.empty(0, np.int64)])
+        order = np.lexsort((index, owner, -probs))
+        owner, probs = owner[order], probs[order]
+        k_max = owner.shape[0]
+
+        # Predicted step time after adding the first k candidates, k = 0..k_max, without re-running the model:
+        # linear and LM-head terms depend on the total token count only; attention changes one request at a time.
+        rank_in_owner = _cumcount(owner)
+        t_before = 1.0 + rank_in_owner
+        attn_delta = model.attention_seconds(t_before + 1, context[owner]) - model.attention_seconds(t_before, context[owner])
+        total = b + np.arange(k_max + 1, dtype=np.float64)
+        attention = model.attention_seconds(ones, context).sum() + np.concatenate([[0.0], np.cumsum(attn_delta)])
+        features = np.stack([
+            np.ones(k_max + 1),
+            model.linear_seconds(total),
+            attention,
+            model.lm_head_seconds(total),
+            total,
+        ], axis=1)
+        step_s = features @ model.coefficients
+        expected = b + np.concatenate([[0.0], np.cumsum(probs)])
+        goodput = expected / step_s
+        if tpot_s is not None and np.isfinite(tpot_s).any():
+            goodput = np.where(step_s <= np.nanmin(tpot_s), goodput, -np.inf)
+            goodput[0] = max(goodput[0], expected[0] / step_s[0])  # never refuse to decode at all
+        k = int(np.argmax(goodput))  # first maximum: the fewest nodes that reach the best goodput
+        nodes = np.bincount(owner[:k], minlength=b).astype(np.int32)
+        tokens = ones + np.bincount(owner[:k], weights=probs[:k], minlength=b)
+        return nodes, float(step_s[k]), tokens
+
+
+def _cumcount(groups: np.ndarray) -> np.ndarray:
+    """For each element, how many earlier elements share its group (0 for the first)."""
+    if groups.size == 0:
+        return np.zeros(0)
+    order = np.argsort(groups, kind="stable")
+    sorted_groups = groups[order]
+    starts = np.concatenate([[0], np.flatnonzero(np.diff(sorted_groups)) + 1])
+    run_start = np.repeat(starts, np.diff(np.concatenate([starts, [groups.size]])))
+    counts = np.empty(groups.size, dtype=np.float64)
+    counts[order] = np.arange(groups.size) - run_start
+    return counts

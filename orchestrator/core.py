@@ -1,0 +1,275 @@
+"""The serving core: continuous batching with a speculation budget.
+
+One `step()`:
+
+    admit    waiting requests, FIFO, while the engine has KV blocks for prompt + max_tokens (prefill)
+    draft    one `Drafter.draft` call for every running request at the policy's cap (failures -> plain decoding)
+    budget   the controller prunes the trees (goodput / roofline / fixed / none)
+    verify   one engine forward for the whole batch
+    accept   longest matching path + bonus token per request; commit its KV; feed the tokens back to the drafter
+    stream   new tokens (and text) per request; retire finished ones (EOS, stop token/string, max_tokens, cancel)
+    learn    measured step time refits the step-time model; realized acceptance is logged per step
+
+Streaming to clients goes through `on_output` callbacks (and the async runner in `orchestrator/runner.py`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from drafter.tree import DraftTree
+from orchestrator.acceptance import accept
+from orchestrator.budget import BudgetController
+from orchestrator.request import (
+    FinishReason,
+    GenerationRequest,
+    IncrementalDetokenizer,
+    RequestOutput,
+    RequestStats,
+)
+from trt_engines.base import KVCacheFullError, RequestError, TargetEngine, VerifyItem
+
+OutputCallback = Callable[[RequestOutput], None]
+
+
+@dataclass
+class StepRecord:
+    """What one step decided and what happened (for metrics and plots)."""
+
+    batch: int
+    prefills: int
+    nodes: list[int]  # per running request
+    predicted_tokens: float  # sum over requests of 1 + sum(probs)
+    realized_tokens: int  # sum over requests of accepted + 1
+    predicted_s: float
+    measured_s: float  # verify forward time
+    draft_s: float
+    step_s: float  # wall time of the whole step
+    fallbacks: int
+
+
+@dataclass
+class _Running:
+    request_id: str
+    request: GenerationRequest
+    on_output: OutputCallback | None
+    context_len: int  # tokens with cached KV
+    output: list[int] = field(default_factory=list)
+    stats: RequestStats = field(default_factory=RequestStats)
+    detok: IncrementalDetokenizer | None = None
+    started_s: float = 0.0
+    first_token_s: float | None = None
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        engine: TargetEngine,
+        drafter,
+        budget: BudgetController,
+        *,
+        tokenizer=None,
+        max_running: int = 32,
+        keep_step_records: int = 100_000,
+    ) -> None:
+        self.engine = engine
+        self.drafter = drafter
+        self.budget = budget
+        self.tokenizer = tokenizer  # needed only for text output and stop strings
+        self.max_running = max_running
+        self.waiting: deque[tuple[str, GenerationRequest, OutputCallback | None]] = deque()
+        self.running: dict[str, _Running] = {}
+        self.records: deque[StepRecord] = deque(maxlen=keep_step_records)
+        self.drafter_fallbacks = 0
+        self._ids = itertools.count()
+        # KV admission ledger: blocks reserved for each running request's whole life (prompt + max_tokens + the
+        # temporary slots of the largest tree), so lazily-allocating engines can never run out mid-generation.
+        self._reserved: dict[str, int] = {}
+
+    # -- client side ----------------------------------------------------------------------------------------------
+    def submit(self, request: GenerationRequest, on_output: OutputCallback | None = None, *,
+               request_id: str | None = None) -> str:
+        if request.stop_strings and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer: construct the Orchestrator with tokenizer=...")
+        vocab = self.engine.vocab_size
+        ids = np.asarray(request.prompt_ids, dtype=np.int64)
+        if ids.min() < 0 or ids.max() >= vocab:
+            raise ValueError(f"prompt token ids must lie in [0, {vocab}); got {ids.min()}..{ids.max()}")
+        if len(ids) + request.max_tokens > self.engine.max_context:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({request.max_tokens}) exceeds the model context "
+                f"({self.engine.max_context}); shorten the prompt or lower max_tokens"
+            )
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.running or any(w[0] == request_id for w in self.waiting):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.waiting.append((request_id, request, on_output))
+        return request_id
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop a request now and free its KV blocks; False if it is unknown or already finished."""
+        for i, (rid, _, callback) in enumerate(self.waiting):
+            if rid == request_id:
+                del self.waiting[i]
+                if callback:
+                    callback(RequestOutput(request_id, [], finish_reason=FinishReason.CANCELLED, stats=RequestStats()))
+                return True
+        state = self.running.get(request_id)
+        if state is None:
+            return False
+        self._finish(state, FinishReason.CANCELLED)
+        return True
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    # -- one scheduler iteration ---------------------------------------------------------------------------------
+    def step(self) -> StepRecord | None:
+        started = time.perf_counter()
+        prefills = self._admit()
+        if not self.running:
+            return None
+        states = list(self.running.values())
+
+        draft_started = time.perf_counter()
+        cap = self.budget.draft_cap(len(states))
+        trees, fallbacks = self._draft(states, cap)
+        draft_s = time.perf_counter() - draft_started
+
+        context = np.array([s.context_len for s in states], dtype=np.float64)
+        tpot = np.array([s.request.tpot_s if s.request.tpot_s else np.nan for s in states])
+        trees, decision = self.budget.allocate(trees, context, tpot_s=tpot if np.isfinite(tpot).any() else None)
+
+        verify = self.engine.verify([VerifyItem(s.request_id, t) for s, t in zip(states, trees)])
+        measured_s = verify.timings.get("forward_ms", verify.timings.get("total_ms", 0.0)) / 1e3
+        self.budget.step_model.observe(1.0 + decision.nodes, context, measured_s)
+
+        realized = 0
+        for state, tree, result in zip(states, trees, verify.results):
+            verdict = accept(tree, result.target_tokens)
+            realized += verdict.num_accepted + 1
+            state.stats.steps += 1
+            state.stats.drafted += len(tree)
+            state.stats.accepted += verdict.num_accepted
+            self._advance(state, verdict.accepted_nodes, verdict.new_tokens)
+
+        record = StepRecord(
+            batch=len(states), prefills=prefills, nodes=decision.nodes.tolist(),
+            predicted_tokens=float(decision.predicted_tokens.sum()), realized_tokens=realized,
+            predicted_s=decision.predicted_step_s, measured_s=measured_s, draft_s=draft_s,
+            step_s=time.perf_counter() - started, fallbacks=fallbacks,
+        )
+        self.records.append(record)
+        return record
+
+    def run_until_idle(self, *, max_steps: int | None = None) -> None:
+        steps = 0
+        while not self.idle and (max_steps is None or steps < max_steps):
+            self.step()
+            steps += 1
+
+    # -- internals ------------------------------------------------------------------------------------------------
+    def _admit(self) -> int:
+        admitted = 0
+        while self.waiting and len(self.running) < self.max_running:
+            request_id, request, callback = self.waiting[0]
+            need = self.engine.blocks_needed(len(request.prompt_ids) + request.max_tokens + self._max_tree_slots())
+            if need > self.engine.total_blocks():  # can never fit: fail it rather than wait forever
+                self.waiting.popleft()
+                self._fail(request_id, callback, f"the request needs {need} KV blocks; the engine has "
+                           f"{self.engine.total_blocks()} in all: lower max_tokens or shorten the prompt")
+                continue
+            if sum(self._reserved.values()) + need > self.engine.total_blocks():
+                break
+            self.waiting.popleft()
+            state = _Running(request_id, request, callback, context_len=len(request.prompt_ids),
+                             started_s=time.perf_counter())
+            if request.stop_strings or self.tokenizer is not None:
+                state.detok = IncrementalDetokenizer(self.tokenizer, request.stop_strings)
+            try:
+                first = self.engine.add_request(request_id, list(request.prompt_ids), request.sampling)
+            except KVCacheFullError:
+                self.waiting.appendleft((request_id, request, callback))
+                break
+            except RequestError as exc:
+                self._fail(request_id, callback, str(exc))
+                continue
+            self.drafter.start_request(request_id, np.asarray(request.prompt_ids, dtype=np.int32))
+            self.running[request_id] = state
+            self._reserved[request_id] = need
+            admitted += 1
+            # The prefill's token is the first output token and the root of the first verify (not cached yet).
+            self._emit_tokens(state, [int(first)])
+            if request_id in self.running:
+                self.drafter.extend(request_id, np.asarray([first], dtype=np.int32))
+        return admitted
+
+    def _max_tree_slots(self) -> int:
+        return 1 + self.budget.policy.max_nodes_per_request  # the root + the largest tree a step may send
+
+    def _draft(self, states: list[_Running], cap: int) -> tuple[list[DraftTree], int]:
+        if cap <= 0:
+            return [DraftTree.empty() for _ in states], 0
+        try:
+            return list(self.drafter.draft([(s.request_id, cap) for s in states])), 0
+        except Exception:  # a drafter failure must never lose a request: this step decodes plainly
+            self.drafter_fallbacks += len(states)
+            for s in states:
+                s.stats.fallbacks += 1
+            return [DraftTree.empty() for _ in states], len(states)
+
+    def _advance(self, state: _Running, accepted_nodes: np.ndarray, new_tokens: np.ndarray) -> None:
+        tokens = [int(t) for t in new_tokens]
+        self.engine.commit(state.request_id, accepted_nodes, next_root=tokens[-1])
+        state.context_len += len(tokens)  # the old root + accepted nodes are cached now
+        self._emit_tokens(state, tokens)
+        if state.request_id in self.running:
+            self.drafter.extend(state.request_id, np.asarray(tokens, dtype=np.int32))
+
+    def _emit_tokens(self, state: _Running, tokens: list[int]) -> None:
+        """Append tokens up to the first stop condition, stream them, and finish the request if one was hit."""
+        request = state.request
+        eos = () if request.ignore_eos else self.engine.eos_token_ids
+        kept: list[int] = []
+        reason = None
+        for token in tokens:
+            kept.append(token)
+            if token in eos or token in request.stop_token_ids:
+                reason = FinishReason.STOP
+                break
+            if len(state.output) + len(kept) >= request.max_tokens:
+                reason = FinishReason.LENGTH
+                break
+        state.output += kept
+        if state.first_token_s is None:
+            state.first_token_s = time.perf_counter()
+        text = ""
+        if state.detok is not None:
+            text, hit_stop = state.detok.add(kept)
+            if hit_stop:
+                reason = FinishReason.STOP
+            elif reason is not None:
+                text += state.detok.flush()
+        if reason is not None:
+            self._finish(state, reason, kept, text)
+        elif state.on_output is not None:
+            state.on_output(RequestOutput(state.request_id, kept, text))
+
+    def _finish(self, state: _Running, reason: FinishReason, tokens: list[int] | None = None, text: str = "") -> None:
+        self.running.pop(state.request_id, None)
+        self._reserved.pop(state.request_id, None)
+        self.engine.release(state.request_id)
+        self.drafter.stop_request(state.request_id)
+        if state.on_output is not None:
+            state.on_output(RequestOutput(state.request_id, tokens or [], text, finish_reason=reason, stats=state.stats))
+
+    def _fail(self, request_id: str, callback: OutputCallback | None, message: str) -> None:
+        if callback is not None:
+            callback(RequestOutput(request_id, [], finish_reason=FinishReason.ERROR, stats=RequestStats(), error=message))

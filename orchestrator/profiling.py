@@ -1,0 +1,64 @@
+"""Start-up fit of the step-time model on the engine it will schedule for (a few seconds of verify steps).
+
+The roofline gives the shape of the cost curve; the fit gives this engine's constants (kernel efficiency, framework
+overhead per step and per token). Afterwards the orchestrator keeps refitting online from every measured step.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from drafter.tree import DraftTree
+from orchestrator.roofline import StepTimeModel
+from trt_engines.base import TargetEngine, VerifyItem
+
+
+def fit_step_model(
+    engine: TargetEngine,
+    model: StepTimeModel,
+    *,
+    batches: tuple[int, ...] = (1, 4, 16),
+    nodes: tuple[int, ...] = (0, 3, 15, 31),
+    contexts: tuple[int, ...] = (128, 512),
+    repeats: int = 2,
+    seed: int = 0,
+) -> float:
+    """Time verify steps over a grid of (batch, nodes per request, context), fit `model`; return the median
+    relative error of the fitted model on those steps."""
+    rng = np.random.default_rng(seed)
+    synthetic = hasattr(engine, "add_synthetic_request")  # random KV instead of a real prefill: same cost
+    samples = []
+    for batch, context in itertools.product(batches, contexts):
+        ids = [f"__profile-{batch}-{context}-{i}" for i in range(batch)]
+        if not engine.can_admit(context * batch, max(nodes) + 1):
+            continue
+        try:
+            for rid in ids:
+                if synthetic:
+                    engine.add_synthetic_request(rid, context)
+                else:
+                    engine.add_request(rid, rng.integers(0, engine.vocab_size, context).tolist(), _greedy())
+            for n in nodes:
+                trees = [DraftTree.chain(rng.integers(0, engine.vocab_size, n)) for _ in ids]
+                for repeat in range(repeats + 1):
+                    out = engine.verify([VerifyItem(rid, tree) for rid, tree in zip(ids, trees)])
+                    if repeat:  # the first run warms caches and allocator
+                        samples.append((np.full(batch, n + 1.0), np.full(batch, float(context)),
+                                        out.timings["forward_ms"] / 1e3))
+        finally:
+            for rid in ids:
+                if rid in getattr(engine, "requests", ids):
+                    engine.release(rid)
+    if not samples:
+        raise RuntimeError("the engine could not hold any profiling batch; give it more KV blocks")
+    model.fit(samples)
+    errors = [abs(model.predict(t, c) - m) / m for t, c, m in samples]
+    return float(np.median(errors))
+
+
+def _greedy():
+    from trt_engines.base import SamplingParams
+
+    return SamplingParams()

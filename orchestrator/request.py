@@ -1,0 +1,120 @@
+"""What a client submits and what it gets back, plus incremental detokenization with stop strings."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+from trt_engines.base import SamplingParams
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens reached
+    CANCELLED = "cancelled"
+    ERROR = "error"  # the request failed (e.g. rejected by the engine); other requests go on
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A generation job. `prompt_ids` are token ids after chat-template rendering (the front ends do that)."""
+
+    prompt_ids: tuple[int, ...]
+    max_tokens: int = 256
+    sampling: SamplingParams = SamplingParams()
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    tpot_s: float | None = None  # time-per-output-token objective (seconds); None = no objective
+
+    def __post_init__(self) -> None:
+        if len(self.prompt_ids) == 0:
+            raise ValueError("the prompt is empty: send at least one token (or non-empty text)")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1; got {self.max_tokens!r}")
+        if self.tpot_s is not None and not (math.isfinite(self.tpot_s) and self.tpot_s > 0):
+            raise ValueError(f"tpot objective must be a positive number of seconds; got {self.tpot_s!r}")
+        if any(not s for s in self.stop_strings):
+            raise ValueError("stop strings must be non-empty")
+
+
+@dataclass
+class RequestStats:
+    steps: int = 0  # verification steps the request took part in
+    drafted: int = 0  # draft nodes it sent
+    accepted: int = 0  # draft tokens accepted
+    fallbacks: int = 0  # steps where drafting failed and it decoded plainly
+
+    @property
+    def tokens_per_step(self) -> float:
+        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+
+
+@dataclass
+class RequestOutput:
+    """One streamed update: the tokens (and text) new since the last update; `finish_reason` set on the last one."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    stats: RequestStats | None = None  # on the final update
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class IncrementalDetokenizer:
+    """Turns a growing token list into text deltas and finds stop strings.
+
+    Decodes only a short window (from `prefix_offset`) each time, and holds back text that ends in an incomplete
+    UTF-8 character or that could be the start of a stop string, so a stop string is never half-emitted.
+    """
+
+    def __init__(self, tokenizer, stop_strings: tuple[str, ...] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop_strings = stop_strings
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""  # all text decided so far (emitted or held back)
+        self.emitted = 0  # characters of `text` already emitted
+
+    def add(self, token_ids: list[int]) -> tuple[str, bool]:
+        """Append tokens; return (text delta to emit, whether a stop string was hit)."""
+        for token in token_ids:
+            self.ids.append(token)
+            prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+            full = self.tokenizer.decode(self.ids[self.prefix_offset :])
+            if len(full) > len(prefix) and not full.endswith("\ufffd"):
+                self.text += full[len(prefix) :]
+                self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        for stop in self.stop_strings:
+            at = self.text.find(stop, max(0, self.emitted - len(stop)))
+            if at >= 0:
+                self.text = self.text[:at]
+                delta = self.text[self.emitted :]
+                self.emitted = len(self.text)
+                return delta, True
+        hold = max((_partial_suffix(self.text, s) for s in self.stop_strings), default=0)
+        end = len(self.text) - hold
+        delta = self.text[self.emitted : end] if end > self.emitted else ""
+        self.emitted = max(self.emitted, end)
+        return delta, False
+
+    def flush(self) -> str:
+        delta = self.text[self.emitted :]
+        self.emitted = len(self.text)
+        return delta
+
+
+def _partial_suffix(text: str, stop: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `stop`."""
+    for n in range(min(len(stop) - 1, len(text)), 0, -1):
+        if text.endswith(stop[:n]):
+            return n
+    return 0
+

@@ -1,0 +1,231 @@
+"""Roofline step-time model: how long one verification step takes for a given batch composition.
+
+A step processes, for every running request i, `tokens[i]` new tokens (the root + its draft-tree nodes, or a whole
+prompt for a prefill) against `context[i]` cached tokens. Per decoder layer the operators are
+
+    op            FLOPs                        bytes moved
+    QKV proj      2 T h (hq + 2 hkv)           W + T (h + hq + 2 hkv)          (T = sum of tokens)
+    O proj        2 T hq h                     W + T (hq + h)
+    attention_i   4 t_i (c_i + t_i) hq         2 (c_i + t_i) hkv + 2 t_i hq    (per request: KV read + Q/O)
+    MLP           2 T h f * 3                  W + T (2 h + 3 f)
+  and once per step: LM head 2 T h V, bytes V h + T (h + V).
+
+Each operator costs max(FLOPs / peak, bytes / bandwidth) (sizes times the dtype's bytes), summed per class into a
+feature vector [1, linear, attention, lm_head, T]. The predicted time is its dot product with fitted coefficients;
+the defaults [overhead, 1, 1, 1, 0] are the pure roofline, and `fit`/`observe` refit them by least squares on
+measured steps (online, from the engine's timings), which absorbs what the roofline leaves out (kernel efficiency,
+per-token framework costs, norms and RoPE).
+
+In the linear operators b (requests) and s (tokens per request) appear only as T = b*s: below the ridge
+T* = peak * dtype_bytes / (2 * bandwidth) they are memory-bound and extra tokens are nearly free. `free_budget()` is
+that b*s (SSSD's free speculation budget).
+
+Tensor parallelism divides weights, heads and FLOPs by `tp` and adds two all-reduces of T*h per layer over the
+interconnect.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    """Peak dense FLOP/s per dtype, memory bandwidth (bytes/s), interconnect bandwidth per GPU (bytes/s)."""
+
+    name: str
+    peak_flops: dict[str, float]
+    mem_bandwidth: float
+    interconnect_bandwidth: float = 0.0
+    overhead_s: float = 0.0  # fixed per-step cost (kernel launches, scheduling) before any fit
+
+    def flops(self, dtype: str) -> float:
+        if dtype not in self.peak_flops:
+            raise ValueError(f"hardware {self.name!r} has no peak FLOP/s for dtype {dtype!r}: {sorted(self.peak_flops)}")
+        return self.peak_flops[dtype]
+
+    def to_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2, sort_keys=True) + "\n")
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "HardwareSpec":
+        try:
+            data = json.loads(Path(path).read_text())
+            return cls(**data)
+        except (OSError, ValueError, TypeError) as exc:
+            raise ValueError(f"{path}: not a hardware profile ({exc}); make one with `python -m tools.profile_hardware`") from exc
+
+
+# Vendor datasheet figures, dense (no structured sparsity).
+KNOWN_HARDWARE: dict[str, HardwareSpec] = {
+    "H100-SXM": HardwareSpec("H100-SXM", {"bfloat16": 989e12, "float16": 989e12, "fp8": 1979e12, "float32": 67e12},
+                             3.35e12, interconnect_bandwidth=450e9, overhead_s=2e-4),
+    "H200": HardwareSpec("H200", {"bfloat16": 989e12, "float16": 989e12, "fp8": 1979e12, "float32": 67e12},
+                         4.8e12, interconnect_bandwidth=450e9, overhead_s=2e-4),
+    "A100-80GB": HardwareSpec("A100-80GB", {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12},
+                              2.039e12, interconnect_bandwidth=300e9, overhead_s=2e-4),
+    "L40S": HardwareSpec("L40S", {"bfloat16": 362e12, "float16": 362e12, "fp8": 733e12, "float32": 91.6e12},
+                         864e9, interconnect_bandwidth=32e9, overhead_s=2e-4),
+    "Ascend-910B4": HardwareSpec("Ascend-910B4", {"bfloat16": 280e12, "float16": 280e12}, 0.8e12,
+                                 interconnect_bandwidth=56e9, overhead_s=3e-4),
+}
+
+
+def hardware(name_or_path: str) -> HardwareSpec:
+    """A known device by name, or a measured profile JSON (tools/profile_hardware.py)."""
+    if name_or_path in KNOWN_HARDWARE:
+        return KNOWN_HARDWARE[name_or_path]
+    if Path(name_or_path).is_file():
+        return HardwareSpec.from_json(name_or_path)
+    raise ValueError(f"unknown hardware {name_or_path!r}: use one of {', '.join(KNOWN_HARDWARE)} or a profile JSON path")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The dimensions of a Llama-family decoder that set its step cost."""
+
+    hidden: int
+    intermediate: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    vocab: int
+    tp: int = 1
+
+    @classmethod
+    def from_config(cls, config: dict | str | Path, *, tp: int = 1) -> "ModelShape":
+        if not isinstance(config, dict):
+            path = Path(config)
+            config = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+        n_heads = config["num_attention_heads"]
+        return cls(
+            hidden=config["hidden_size"],
+            intermediate=config["intermediate_size"],
+            n_layers=config["num_hidden_layers"],
+            n_heads=n_heads,
+            n_kv_heads=config.get("num_key_value_heads", n_heads),
+            head_dim=config.get("head_dim") or config["hidden_size"] // n_heads,
+            vocab=config["vocab_size"],
+            tp=tp,
+        )
+
+    @property
+    def n_params(self) -> int:
+        h, hq, hkv = self.hidden, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        per_layer = h * (hq + 2 * hkv) + hq * h + 3 * h * self.intermediate
+        return self.n_layers * per_layer + self.vocab * h
+
+
+FEATURES = ("overhead", "linear", "attention", "lm_head", "tokens")
+
+
+@dataclass
+class StepTimeModel:
+    """Predicts step seconds from (tokens per request, context per request); refits itself from measurements."""
+
+    shape: ModelShape
+    hardware: HardwareSpec
+    dtype: str = "bfloat16"
+    coefficients: np.ndarray = field(default=None)  # type: ignore[assignment]
+    window: int = 512  # measured steps kept for the online refit
+    _samples: deque = field(default=None, repr=False)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; use one of {sorted(DTYPE_BYTES)}")
+        if self.coefficients is None:
+            self.coefficients = np.array([self.hardware.overhead_s, 1.0, 1.0, 1.0, 0.0])
+        self.coefficients = np.asarray(self.coefficients, dtype=np.float64)
+        self._samples = deque(maxlen=self.window)
+
+    # -- roofline terms (seconds), vectorised over the leading axis of their arguments ---------------------------
+    def _op(self, flops, bytes_):
+        return np.maximum(flops / self.hardware.flops(self.dtype), bytes_ / self.hardware.mem_bandwidth)
+
+    def linear_seconds(self, total_tokens) -> np.ndarray:
+        s, e = self.shape, DTYPE_BYTES[self.dtype]
+        T = np.asarray(total_tokens, dtype=np.float64)
+        h, f = s.hidden, s.intermediate / s.tp
+        hq, hkv = s.n_heads * s.head_dim / s.tp, s.n_kv_heads * s.head_dim / s.tp
+        qkv = self._op(2 * T * h * (hq + 2 * hkv), e * (h * (hq + 2 * hkv) + T * (h + hq + 2 * hkv)))
+        out = self._op(2 * T * hq * h, e * (hq * h + T * (hq + h)))
+        mlp = self._op(6 * T * h * f, e * (3 * h * f + T * (2 * h + 3 * f)))
+        per_layer = qkv + out + mlp
+        if s.tp > 1 and self.hardware.interconnect_bandwidth > 0:  # two ring all-reduces of T x h per layer
+            per_layer = per_layer + 2 * (2 * (s.tp - 1) / s.tp) * T * h * e / self.hardware.interconnect_bandwidth
+        return s.n_layers * per_layer
+
+    def attention_seconds(self, tokens, context) -> np.ndarray:
+        """Per request (elementwise over `tokens`, `context`), all layers."""
+        s, e = self.shape, DTYPE_BYTES[self.dtype]
+        t = np.asarray(tokens, dtype=np.float64)
+        c = np.asarray(context, dtype=np.float64)
+        hq, hkv = s.n_heads * s.head_dim / s.tp, s.n_kv_heads * s.head_dim / s.tp
+        per_layer = self._op(4 * t * (c + t) * hq, e * (2 * (c + t) * hkv + 2 * t * hq))
+        return np.where(t > 0, s.n_layers * per_layer, 0.0)
+
+    def lm_head_seconds(self, total_tokens) -> np.ndarray:
+        s, e = self.shape, DTYPE_BYTES[self.dtype]
+        T = np.asarray(total_tokens, dtype=np.float64)
+        v = s.vocab / s.tp
+        return self._op(2 * T * s.hidden * v, e * (v * s.hidden + T * (s.hidden + v)))
+
+    def features(self, tokens, context) -> np.ndarray:
+        tokens = np.asarray(tokens, dtype=np.float64)
+        total = tokens.sum()
+        return np.array([
+            1.0,
+            float(self.linear_seconds(total)),
+            float(self.attention_seconds(tokens, context).sum()),
+            float(self.lm_head_seconds(total)),
+            total,
+        ])
+
+    def predict(self, tokens, context) -> float:
+        """Predicted seconds for one step; `tokens[i]` new tokens of request i over `context[i]` cached ones."""
+        return float(self.features(tokens, context) @ self.coefficients)
+
+    # -- fitting ----------------------------------------------------------------------------------------------
+    def observe(self, tokens, context, measured_s: float, *, refit_every: int = 16) -> None:
+        """Record a measured step; refit every `refit_every` observations once enough have been seen."""
+        self._samples.append((self.features(tokens, context), float(measured_s)))
+        if len(self._samples) >= 8 and len(self._samples) % refit_every == 0:
+            self.fit_samples(list(self._samples))
+
+    def fit(self, steps: list[tuple[np.ndarray, np.ndarray, float]]) -> None:
+        """Least-squares fit from (tokens, context, measured seconds) triples."""
+        self.fit_samples([(self.features(t, c), m) for t, c, m in steps])
+
+    def fit_samples(self, samples: list[tuple[np.ndarray, float]]) -> None:
+        X = np.stack([f for f, _ in samples])
+        y = np.array([m for _, m in samples])
+        # Relative error matters (a 1 ms miss on a 2 ms step is worse than on a 50 ms one): weight rows by 1/y.
+        w = 1.0 / np.maximum(y, 1e-6)
+        self.coefficients = _nonnegative_lstsq(X * w[:, None], y * w)
+
+    def free_budget(self) -> float:
+        """Tokens per step (b*s) at which the linear layers turn compute-bound: peak * bytes / (2 * bandwidth)."""
+        return self.hardware.flops(self.dtype) * DTYPE_BYTES[self.dtype] / (2 * self.hardware.mem_bandwidth)
+
+
+def _nonnegative_lstsq(X: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with coefficients >= 0 (active-set: drop the most negative column, re-solve)."""
+    active = np.ones(X.shape[1], dtype=bool)
+    active &= np.abs(X).max(axis=0) > 0  # features that never vary carry no information
+    coef = np.zeros(X.shape[1])
+    while active.any():
+        sol, *_ = np.linalg.lstsq(X[:, active], y, rcond=None)
+        if (sol >= 0).all():
+            coef[active] = sol
+            return coef
+        idx = np.flatnonzero(active)[np.argmin(sol)]
+        active[idx] = False
+    return coef

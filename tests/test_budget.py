@@ -1,0 +1,127 @@
+"""Budget controller and roofline step-time model: behaviour, not numbers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from drafter.tree import DraftTree
+from orchestrator.budget import BudgetController, BudgetPolicy, prune_tree
+from orchestrator.roofline import KNOWN_HARDWARE, HardwareSpec, ModelShape, StepTimeModel
+
+LLAMA_8B = ModelShape.from_config({
+    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "vocab_size": 128256,
+})
+
+
+def chain_trees(batch: int, p: float, depth: int = 32) -> list[DraftTree]:
+    """Chains whose path-acceptance probability decays geometrically: node d has prob p**d."""
+    probs = p ** np.arange(1, depth + 1)
+    return [DraftTree.chain(np.arange(depth) + 7 * i, probs=probs) for i in range(batch)]
+
+
+def goodput_nodes(model: StepTimeModel, batch: int, p: float, context: int = 1024, tpot=None) -> np.ndarray:
+    controller = BudgetController(BudgetPolicy.parse("goodput"), model)
+    _, decision = controller.allocate(chain_trees(batch, p), np.full(batch, context), tpot_s=tpot)
+    return decision.nodes
+
+
+def h100_model() -> StepTimeModel:
+    return StepTimeModel(LLAMA_8B, KNOWN_HARDWARE["H100-SXM"])
+
+
+def test_policy_parsing_and_errors():
+    assert BudgetPolicy.parse("fixed:16").fixed_nodes == 16
+    assert str(BudgetPolicy.parse("goodput")) == "goodput"
+    for bad in ("fixed", "fixed:0", "fixed:x", "greedy", "none:3"):
+        with pytest.raises(ValueError, match="policy"):
+            BudgetPolicy.parse(bad)
+
+
+def test_more_running_requests_get_fewer_nodes_each():
+    model = h100_model()
+    per_request = [goodput_nodes(model, b, 0.8).mean() for b in (1, 16, 64, 256)]
+    assert per_request == sorted(per_request, reverse=True)
+    assert per_request[0] > per_request[-1]
+
+
+def test_higher_acceptance_gets_more_nodes():
+    model = h100_model()
+    nodes = [goodput_nodes(model, 32, p).sum() for p in (0.3, 0.6, 0.9)]
+    assert nodes == sorted(nodes) and nodes[0] < nodes[-1]
+
+
+def test_speculation_turns_off_when_extra_tokens_cost_a_full_step():
+    # A device with no spare compute at all: each extra token costs as much as the whole step's weights.
+    shape = ModelShape.from_config({"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 2,
+                                    "num_attention_heads": 8, "vocab_size": 1000})
+    compute_starved = HardwareSpec("starved", {"bfloat16": 1e6}, mem_bandwidth=1e15)
+    model = StepTimeModel(shape, compute_starved)
+    assert goodput_nodes(model, 4, 0.9).sum() == 0
+    # Same cost model via fitted coefficients: time = c * total tokens, no fixed part.
+    model = h100_model()
+    model.coefficients = np.array([0.0, 0.0, 0.0, 0.0, 1e-3])
+    assert goodput_nodes(model, 4, 0.95).sum() == 0
+
+
+def test_tpot_objective_is_respected_by_the_prediction():
+    model = h100_model()
+    free = goodput_nodes(model, 8, 0.9)
+    no_spec = model.predict(np.ones(8), np.full(8, 1024))
+    tight = no_spec * 1.02
+    controller = BudgetController(BudgetPolicy.parse("goodput"), model)
+    _, decision = controller.allocate(chain_trees(8, 0.9), np.full(8, 1024), tpot_s=np.full(8, tight))
+    assert decision.predicted_step_s <= tight
+    assert decision.nodes.sum() < free.sum()
+
+
+def test_fixed_and_none_and_roofline_policies():
+    model = h100_model()
+    trees = chain_trees(4, 0.7)
+    for text, expected in (("none", 0), ("fixed:5", 5)):
+        pruned, decision = BudgetController(BudgetPolicy.parse(text), model).allocate(trees, np.full(4, 100))
+        assert decision.nodes.tolist() == [expected] * 4 and [len(t) for t in pruned] == [expected] * 4
+    roofline = BudgetController(BudgetPolicy.parse("roofline"), model)
+    assert roofline.roofline_nodes(1) >= roofline.roofline_nodes(8) >= roofline.roofline_nodes(64) >= 0
+
+
+def test_prune_keeps_the_most_probable_nodes_and_a_valid_tree():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        n = int(rng.integers(1, 40))
+        parents = np.array([int(rng.integers(-1, i)) for i in range(n)])
+        raw = rng.random(n)
+        probs = np.empty(n)
+        for i in range(n):  # path probabilities never increase downwards
+            probs[i] = raw[i] if parents[i] < 0 else probs[parents[i]] * raw[i]
+        tree = DraftTree.from_arrays(tokens=rng.integers(0, 100, n), parents=parents, probs=probs)
+        k = int(rng.integers(0, n + 1))
+        pruned = prune_tree(tree, k)
+        pruned.validate()
+        assert len(pruned) == k
+        assert np.isclose(np.sort(pruned.probs)[::-1], np.sort(tree.probs)[::-1][:k], rtol=1e-6).all()
+
+
+def test_step_model_refit_recovers_a_linear_cost():
+    shape = ModelShape.from_config({"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                                    "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152})
+    model = StepTimeModel(shape, HardwareSpec("cpu", {"bfloat16": 3e11}, 3e10))
+    rng = np.random.default_rng(1)
+    truth = model.__class__(shape, model.hardware, coefficients=np.array([4e-3, 1.5, 3.0, 1.2, 2e-5]))
+    for _ in range(64):
+        b = int(rng.integers(1, 16))
+        tokens, context = rng.integers(1, 32, b), rng.integers(16, 2048, b)
+        model.observe(tokens, context, truth.predict(tokens, context))
+    tokens, context = np.array([8, 3]), np.array([700, 100])
+    assert model.predict(tokens, context) == pytest.approx(truth.predict(tokens, context), rel=1e-3)
+
+
+def test_free_budget_matches_the_ridge_formula():
+    model = h100_model()
+    hw = KNOWN_HARDWARE["H100-SXM"]
+    assert model.free_budget() == pytest.approx(hw.peak_flops["bfloat16"] * 2 / (2 * hw.mem_bandwidth))
+    with pytest.raises(ValueError, match="unknown hardware"):
+        from orchestrator.roofline import hardware
+
+        hardware("TPU-v9")

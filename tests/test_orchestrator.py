@@ -1,0 +1,247 @@
+"""The serving core end to end on the real default model (fp32), a real datastore and the real drafter.
+
+Reference outputs come from `orchestrator.spec_loop.generate` without drafts: plain greedy decoding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from datastore import Datastore, build_from_token_docs
+from drafter.drafter import Drafter, DrafterConfig
+from orchestrator.budget import BudgetController, BudgetPolicy
+from orchestrator.core import Orchestrator
+from orchestrator.request import FinishReason, GenerationRequest
+from orchestrator.roofline import HardwareSpec, ModelShape, StepTimeModel
+from orchestrator.runner import OrchestratorRunner
+from orchestrator.spec_loop import generate
+from trt_engines.prepare import default_model_dir, is_complete
+
+pytestmark = pytest.mark.skipif(not is_complete(default_model_dir()), reason="default model not prepared")
+
+PROMPTS = [
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "import os\nimport sys\n\n\ndef main(argv):\n",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+    "Hello! How are you today?",
+    "for i in range(10):\n    for j in range(10):\n",
+]
+POLICIES = ("none", "fixed:4", "fixed:16", "roofline", "goodput")
+CPU = HardwareSpec("test-cpu", {"float32": 1e11, "bfloat16": 3e11}, mem_bandwidth=2e10, overhead_s=5e-3)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_file(str(default_model_dir() / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from trt_engines.torch_engine import TorchEngine
+
+    torch.set_num_threads(2)
+    return TorchEngine("default", dtype=torch.float32, num_blocks=160, block_size=16, max_context=1024)
+
+
+@pytest.fixture(scope="module")
+def datastore(tmp_path_factory, tokenizer) -> Datastore:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts = [(stdlib / name).read_text() for name in ("functools.py", "contextlib.py", "textwrap.py", "fnmatch.py")]
+    docs = [np.asarray(e.ids, np.int32) for e in tokenizer.encode_batch(texts)]
+    out = tmp_path_factory.mktemp("ds") / "code"
+    return Datastore.open(build_from_token_docs(docs, out, vocab_size=tokenizer.get_vocab_size(), tokenizer_id="test"))
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tokenizer) -> list[tuple[int, ...]]:
+    return [tuple(tokenizer.encode(p).ids) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def reference(engine, prompt_ids) -> list[list[int]]:
+    outputs, _ = generate(engine, [list(p) for p in prompt_ids], max_new_tokens=24, id_prefix="ref")
+    return outputs
+
+
+def make_orchestrator(engine, datastore, policy: str, *, tokenizer=None, max_running=4, drafter=None):
+    drafter = drafter or Drafter(DrafterConfig(), datastores=[datastore])
+    model = StepTimeModel(ModelShape.from_config(default_model_dir()), CPU, dtype="float32")
+    return Orchestrator(engine, drafter, BudgetController(BudgetPolicy.parse(policy), model),
+                        tokenizer=tokenizer, max_running=max_running)
+
+
+def run_all(orchestrator, requests) -> dict[str, dict]:
+    results: dict[str, dict] = {}
+
+    def collect(out):
+        r = results.setdefault(out.request_id, {"tokens": [], "text": "", "finish": None, "stats": None})
+        r["tokens"] += out.token_ids
+        r["text"] += out.text
+        if out.finished:
+            r["finish"], r["stats"], r["error"] = out.finish_reason, out.stats, out.error
+
+    ids = [orchestrator.submit(req, collect, request_id=f"q{i}") for i, req in enumerate(requests)]
+    orchestrator.run_until_idle(max_steps=2000)
+    return {i: results[i] for i in ids}
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_gives_plain_greedy_output(engine, datastore, prompt_ids, reference, policy):
+    orchestrator = make_orchestrator(engine, datastore, policy)
+    free_before = engine.free_blocks()
+    results = run_all(orchestrator, [GenerationRequest(prompt_ids=p, max_tokens=24) for p in prompt_ids])
+    assert [r["tokens"] for r in results.values()] == reference
+    assert engine.free_blocks() == free_before  # every request released its KV
+    assert max(r.batch for r in orchestrator.records) > 1  # requests really were batched
+    accepted = sum(r["stats"].accepted for r in results.values())
+    if policy != "none":
+        assert accepted > 0  # speculation actually happened, so the equality above means something
+    else:
+        assert accepted == 0 and all(n == 0 for rec in orchestrator.records for n in rec.nodes)
+
+
+def test_stop_token_stop_string_and_max_tokens(engine, datastore, tokenizer, prompt_ids, reference):
+    orchestrator = make_orchestrator(engine, datastore, "goodput", tokenizer=tokenizer)
+    ref = reference[0]
+    stop_token = ref[5]
+    cut = ref.index(stop_token)
+    full_text = tokenizer.decode(ref)
+    stop_string = full_text[len(full_text) // 2 : len(full_text) // 2 + 3]
+    results = run_all(orchestrator, [
+        GenerationRequest(prompt_ids=prompt_ids[0], max_tokens=24, stop_token_ids=(stop_token,)),
+        GenerationRequest(prompt_ids=prompt_ids[0], max_tokens=24, stop_strings=(stop_string,)),
+        GenerationRequest(prompt_ids=prompt_ids[0], max_tokens=1),
+        GenerationRequest(prompt_ids=prompt_ids[0], max_tokens=7),
+    ])
+    by_stop, by_string, one, seven = results.values()
+    assert by_stop["tokens"] == ref[: cut + 1] and by_stop["finish"] == FinishReason.STOP
+    assert by_string["finish"] == FinishReason.STOP
+    assert by_string["text"] == full_text[: full_text.index(stop_string)]
+    assert one["tokens"] == ref[:1] and one["finish"] == FinishReason.LENGTH
+    assert seven["tokens"] == ref[:7] and seven["finish"] == FinishReason.LENGTH
+
+
+def test_eos_ends_a_request(engine, datastore, tokenizer):
+    chat = "<|im_start|>user\nSay just the word yes.<|im_end|>\n<|im_start|>assistant\n"
+    ids = tuple(tokenizer.encode(chat).ids)
+    plain, _ = generate(engine, [list(ids)], max_new_tokens=40, id_prefix="eos")
+    assert plain[0][-1] in engine.eos_token_ids, "this prompt should end with EOS within 40 tokens"
+    results = run_all(make_orchestrator(engine, datastore, "goodput"), [GenerationRequest(prompt_ids=ids, max_tokens=40)])
+    (only,) = results.values()
+    assert only["tokens"] == plain[0] and only["finish"] == FinishReason.STOP
+    ignore = run_all(make_orchestrator(engine, datastore, "goodput"),
+                     [GenerationRequest(prompt_ids=ids, max_tokens=len(plain[0]) + 3, ignore_eos=True)])
+    assert len(next(iter(ignore.values()))["tokens"]) == len(plain[0]) + 3
+
+
+def test_cancel_mid_stream_frees_kv(engine, datastore, prompt_ids, reference):
+    orchestrator = make_orchestrator(engine, datastore, "goodput")
+    free_before = engine.free_blocks()
+    outputs = {}
+    ids = [orchestrator.submit(GenerationRequest(prompt_ids=p, max_tokens=24),
+                               lambda out: outputs.setdefault(out.request_id, []).append(out)) for p in prompt_ids[:2]]
+    for _ in range(3):
+        orchestrator.step()
+    assert engine.free_blocks() < free_before
+    assert orchestrator.cancel(ids[0]) and not orchestrator.cancel(ids[0])
+    assert outputs[ids[0]][-1].finish_reason == FinishReason.CANCELLED
+    orchestrator.run_until_idle()
+    assert sum((o.token_ids for o in outputs[ids[1]]), []) == reference[1]
+    assert engine.free_blocks() == free_before
+
+
+def test_admission_never_overcommits_kv(datastore, prompt_ids, reference):
+    from trt_engines.torch_engine import TorchEngine
+
+    small = TorchEngine("default", dtype=torch.float32, num_blocks=24, block_size=16, max_context=1024)
+    orchestrator = make_orchestrator(small, datastore, "fixed:16", max_running=8)
+    requests = [GenerationRequest(prompt_ids=p, max_tokens=24) for p in prompt_ids]
+    requests.append(GenerationRequest(prompt_ids=prompt_ids[0], max_tokens=500))  # can never fit
+    results: dict[str, list] = {}
+    ids = [orchestrator.submit(r, lambda out: results.setdefault(out.request_id, []).append(out)) for r in requests]
+    peak_running = 0
+    while not orchestrator.idle:
+        orchestrator.step()
+        assert sum(orchestrator._reserved.values()) <= small.total_blocks()
+        assert small.free_blocks() >= 0
+        peak_running = max(peak_running, len(orchestrator.running))
+    assert 1 <= peak_running < len(prompt_ids)  # the ledger held some requests back
+    for rid, ref in zip(ids, reference):
+        assert sum((o.token_ids for o in results[rid]), []) == ref
+    too_big = results[ids[-1]][-1]
+    assert too_big.finish_reason == FinishReason.ERROR and "KV blocks" in too_big.error
+    assert small.free_blocks() == small.total_blocks()
+
+
+class FlakyDrafter(Drafter):
+    """A real drafter that fails every other call: the step must fall back to plain decoding."""
+
+    calls = None  # set after construction, so the constructor's warm-up call goes through
+
+    def draft(self, batch):
+        if self.calls is not None:
+            self.calls += 1
+            if self.calls % 2:
+                raise RuntimeError("injected drafter failure")
+        return super().draft(batch)
+
+
+def test_drafter_failure_falls_back_to_plain_decoding(engine, datastore, prompt_ids, reference):
+    flaky = FlakyDrafter(DrafterConfig(), datastores=[datastore])
+    flaky.calls = 0
+    orchestrator = make_orchestrator(engine, datastore, "fixed:8", drafter=flaky)
+    results = run_all(orchestrator, [GenerationRequest(prompt_ids=p, max_tokens=24) for p in prompt_ids])
+    assert [r["tokens"] for r in results.values()] == reference
+    assert orchestrator.drafter_fallbacks > 0
+    assert sum(r["stats"].fallbacks for r in results.values()) == orchestrator.drafter_fallbacks
+
+
+def test_bad_requests_are_refused_and_change_nothing(engine, datastore, prompt_ids):
+    orchestrator = make_orchestrator(engine, datastore, "goodput")
+    with pytest.raises(ValueError, match="empty"):
+        GenerationRequest(prompt_ids=())
+    with pytest.raises(ValueError, match="max_tokens"):
+        GenerationRequest(prompt_ids=(1, 2), max_tokens=0)
+    with pytest.raises(ValueError, match="vocab|lie in"):
+        orchestrator.submit(GenerationRequest(prompt_ids=(1, engine.vocab_size)))
+    with pytest.raises(ValueError, match="context"):
+        orchestrator.submit(GenerationRequest(prompt_ids=(1,) * 1000, max_tokens=100))
+    with pytest.raises(ValueError, match="tokenizer"):
+        orchestrator.submit(GenerationRequest(prompt_ids=(1, 2), stop_strings=("x",)))
+    orchestrator.submit(GenerationRequest(prompt_ids=prompt_ids[0], max_tokens=2), request_id="dup")
+    with pytest.raises(ValueError, match="already in use"):
+        orchestrator.submit(GenerationRequest(prompt_ids=prompt_ids[0], max_tokens=2), request_id="dup")
+    assert len(orchestrator.waiting) == 1
+    orchestrator.run_until_idle()
+
+
+def test_runner_streams_concurrently_and_cancels_abandoned_streams(engine, datastore, prompt_ids, reference):
+    runner = OrchestratorRunner(make_orchestrator(engine, datastore, "goodput")).start()
+    free_before = engine.free_blocks()
+
+    async def consume(p, limit=None):
+        tokens = []
+        async for out in runner.stream(GenerationRequest(prompt_ids=p, max_tokens=24)):
+            tokens += out.token_ids
+            if limit and len(tokens) >= limit:
+                break  # a client that goes away mid-stream
+        return tokens
+
+    async def main():
+        return await asyncio.gather(*(consume(p) for p in prompt_ids[:3]), consume(prompt_ids[3], limit=2))
+
+    *complete, partial = asyncio.run(main())
+    assert complete == reference[:3] and len(partial) >= 2
+    blocking = runner.generate(GenerationRequest(prompt_ids=prompt_ids[4], max_tokens=24), timeout=120)
+    assert blocking.token_ids == reference[4] and blocking.finish_reason == FinishReason.LENGTH
+    runner.shutdown()
+    assert not runner.alive and runner.error is None
+    assert engine.free_blocks() == free_before
