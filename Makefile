@@ -5,7 +5,7 @@ PY        := $(VENV)/bin/python
 STAMP     := $(VENV)/.installed
 RETROSPEC := $(VENV)/bin/retrospec
 
-.PHONY: setup model datastore demo test clean
+.PHONY: setup model datastore calibration demo test clean
 
 $(STAMP): requirements.txt pyproject.toml
 	python3 -m venv $(VENV)
@@ -27,8 +27,14 @@ model: setup
 datastore: model
 	$(RETROSPEC) build-datastore --preset default
 
-demo: datastore
+# Fits the drafter's calibration map from the committed calibration trajectories (simulation only, ~1 min).
+calibration: datastore
+	$(PY) -m tools.calibrate --no-grid --if-missing
+
+# The main job: a short offline-throughput run of every policy on the default model and datastore.
+demo: calibration
 	$(PY) benchmarks/datastore.py --quick
+	$(PY) -m benchmarks.throughput --quick
 
 test: model
 	$(PY) -m pytest -q tests

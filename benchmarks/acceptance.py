@@ -23,6 +23,7 @@ import argparse
 import json
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -54,43 +55,43 @@ class BestPathDrafter:
         return [tree.best_path() for tree in self.inner.draft(batch)]
 
 
-def make_methods(datastore: Datastore, aded_index: Path, methods: list[str]) -> dict[str, object]:
-    made: dict[str, object] = {}
-    for name in methods:
-        if name in ("fused", "input", "datastore"):
-            made[name] = Drafter(DrafterConfig(sources=name), datastores=[datastore])
-        elif name == "fused-path":
-            made[name] = BestPathDrafter(Drafter(DrafterConfig(sources="fused"), datastores=[datastore]))
-        elif name == "pld":
-            made[name] = PromptLookupDrafter()
-        elif name == "pld-recent":
-            made[name] = PromptLookupDrafter(most_recent=True)
-        elif name == "aded":
-            if not aded_index.is_file():
-                started = time.perf_counter()
-                AdedDrafter.build_index(str(aded_index), datastore.documents(), datastore.vocab_size)
-                print(f"built the draftretriever index in {time.perf_counter() - started:.0f} s -> {aded_index}")
-            made[name] = AdedDrafter(str(aded_index))
-        elif name == "rest-rules":
-            made[name] = RestRulesDrafter(datastore)
-    return made
+def method_factories(datastore: Datastore, aded_index: Path, methods: list[str]) -> dict[str, Callable[[], object]]:
+    """A fresh drafter per (set, budget) run: `draftretriever`'s Reader adapts its counts to every context it
+    searches (ADED's design), so reusing one across runs would let it memorise the very trajectories it is scored
+    on. Within a run it still learns from the set's earlier prompts, which our drafter does not."""
+    if "aded" in methods and not aded_index.is_file():
+        started = time.perf_counter()
+        AdedDrafter.build_index(str(aded_index), datastore.documents(), datastore.vocab_size)
+        print(f"built the draftretriever index in {time.perf_counter() - started:.0f} s -> {aded_index}")
+    factories: dict[str, Callable[[], object]] = {
+        "fused": lambda: Drafter(DrafterConfig(sources="fused"), datastores=[datastore]),
+        "fused-path": lambda: BestPathDrafter(Drafter(DrafterConfig(sources="fused"), datastores=[datastore])),
+        "input": lambda: Drafter(DrafterConfig(sources="input"), datastores=[datastore]),
+        "datastore": lambda: Drafter(DrafterConfig(sources="datastore"), datastores=[datastore]),
+        "pld": lambda: PromptLookupDrafter(),
+        "pld-recent": lambda: PromptLookupDrafter(most_recent=True),
+        "aded": lambda: AdedDrafter(str(aded_index)),
+        "rest-rules": lambda: RestRulesDrafter(datastore),
+    }
+    return {name: factories[name] for name in methods}
 
 
 def run(sets: list[str], budgets: list[int], methods: list[str], *, limit: int | None) -> dict:
     datastore = Datastore.open(default_datastore_dir())
-    drafters = make_methods(datastore, default_datastore_dir() / "draftretriever.idx", methods)
+    factories = method_factories(datastore, default_datastore_dir() / "draftretriever.idx", methods)
     rows = []
     for set_name in sets:
         trajectories = load_trajectories(trajectory_path(set_name, "eval"))[:limit]
         for budget in budgets:
-            for name, drafter in drafters.items():
-                result = replay(drafter, trajectories, budget=budget)
+            for name, factory in factories.items():
+                result = replay(factory(), trajectories, budget=budget)
                 row = {
                     "set": set_name, "budget": budget, "method": name, "tau": result.tau, "steps": result.steps,
                     "tokens": result.tokens, "draft_us_p50": result.draft_us_p50,
                     "draft_us_p99": float(np.percentile(result.draft_us, 99)) if result.draft_us else 0.0,
                     "mean_tree_size": float(np.mean(result.tree_sizes)) if result.tree_sizes else 0.0,
                     "calibration_mae": result.calibration_mae,
+                    "calibration_step_mae": result.step_mae,
                 }
                 rows.append(row)
                 print(f"{set_name:10s} B={budget:<3d} {name:11s} tau={row['tau']:.3f} "
@@ -196,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="12 prompts per set, B in {8, 32}; separate output files")
     args = parser.parse_args(argv)
     if args.quick:
-        args.limit, args.budgets = args.limit or 12, [8, 32]
+        args.limit = args.limit or 12
+        args.budgets = args.budgets if args.budgets != list(BUDGETS) else [8, 32]
     started = time.perf_counter()
     result = run(args.sets, args.budgets, args.methods, limit=args.limit)
     result["summary"] = summarize(result["rows"], args.sets)

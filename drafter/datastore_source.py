@@ -135,33 +135,42 @@ class DatastoreSource:
             plen[b] = p.shape[0]
             if p.shape[0]:
                 P[b, q - p.shape[0] :] = p
-        cols = np.arange(q)
         rows_all, owner_all = [], []
         match_len = np.zeros((B, K), np.int32)
         rounds = np.zeros((B, K), np.int32)
+        active = np.nonzero((plen > 0) & (lengths > 0))[0]
+        # Every back-off round of every request in ONE datastore call: round j of request b queries its last
+        # plen[b] - j tokens. Which rounds SSSD would have run is decided afterwards from the per-round counts
+        # (round j runs while rounds 0..j-1 gathered fewer than `threshold` continuations), so the result is the
+        # same as querying round by round, without a Python round trip per round.
+        n_rounds = plen[active]
+        req = np.repeat(active, n_rounds)  # one entry per (request, round)
+        rnd = np.arange(req.size) - np.repeat(np.cumsum(n_rounds) - n_rounds, n_rounds)
+        c = plen[req] - rnd  # prefix length of that round
+        offsets = np.zeros(req.size + 1, np.int64)
+        np.cumsum(c, out=offsets[1:])
+        cols = np.arange(q)
+        flat = P[req][cols[None, :] >= (q - c)[:, None]]  # row-major: each prefix's tokens in order
         for k, ds in enumerate(self.datastores):
-            root_cnt = np.zeros(B, np.int64)
-            active = np.nonzero((plen > 0) & (lengths > 0))[0]
-            cur = plen.copy()  # prefix length of the next round, per request
-            while active.size:
-                c = cur[active]
-                flat = P[active][cols[None, :] >= (q - c)[:, None]]  # row-major: each prefix's tokens in order
-                offsets = np.zeros(active.size + 1, np.int64)
-                np.cumsum(c, out=offsets[1:])
-                res = _continuations(ds, flat, offsets, self.samples, L)
-                rows = np.asarray(res.rows, np.int32).reshape(-1, L)
-                per = np.diff(np.asarray(res.offsets, np.int64))
-                owner = np.repeat(active, per)
-                rows_all.append(rows)
-                owner_all.append(owner + k * B)
-                got = np.bincount(owner, weights=rows[:, 0] >= 0, minlength=B)[active].astype(np.int64)
-                root_cnt[active] += got
-                rounds[active, k] += 1
-                first_hit = (match_len[active, k] == 0) & (got > 0)
-                match_len[active[first_hit], k] = c[first_hit]
-                more = (root_cnt[active] < self.threshold) & (c > 1)
-                active = active[more]
-                cur[active] -= 1
+            if req.size == 0:
+                break
+            res = _continuations(ds, flat, offsets, self.samples, L)
+            rows = np.asarray(res.rows, np.int32).reshape(-1, L)
+            per = np.diff(np.asarray(res.offsets, np.int64))
+            query_of_row = np.repeat(np.arange(req.size), per)
+            got = np.bincount(query_of_row, weights=rows[:, 0] >= 0, minlength=req.size)
+            before = np.cumsum(got) - got  # continuations gathered by earlier queries, across requests...
+            first_of_req = np.repeat(np.cumsum(n_rounds) - n_rounds, n_rounds)
+            before -= before[first_of_req]  # ...made per request
+            run = (rnd == 0) | (before < self.threshold)
+            keep = run[query_of_row]
+            rows_all.append(rows[keep])
+            owner_all.append(req[query_of_row[keep]] + k * B)
+            rounds[:, k] = np.bincount(req[run], minlength=B)
+            hit = run & (got > 0)
+            longest = np.zeros(B, np.int64)
+            np.maximum.at(longest, req[hit], c[hit])  # the longest prefix that returned anything
+            match_len[:, k] = longest
         G = B * K
         if rows_all:
             rows = np.concatenate(rows_all)
