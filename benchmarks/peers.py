@@ -10,7 +10,8 @@
   than 5,000 matches exist we take 5,000 evenly spaced over the suffix-array range (our datastore's sampling) where
   REST takes the first 5,000; even spacing keeps the distribution, so this favours REST.
 - `AdedDrafter`: ADED's trigram retriever through the PyPI package `draftretriever` (third-party code, unchanged):
-  one `add_entry` per datastore document, `search(context, choices=budget)`.
+  one `add_entry` per datastore document, `search(context, choices=budget)` (choices=2 cut to 1 node at B=1, where
+  the package panics on some contexts).
 """
 
 from __future__ import annotations
@@ -199,7 +200,9 @@ class AdedDrafter(_ContextStore):
                 trees.append(DraftTree.empty())
                 continue
             context = self.context(request_id)[-self.query_tokens :]
-            paths = self.reader.search([int(t) for t in context], choices=budget)[0]
+            # draftretriever 0.1.1 panics (aborting the process) on some contexts with choices=1, so B=1 asks for
+            # 2 nodes and keeps the more frequent one.
+            paths = self.reader.search([int(t) for t in context], choices=max(budget, 2))[0]
             rows = np.asarray(paths, dtype=np.int32) if paths else np.empty((0, 1), np.int32)
             rows[rows < 0] = -1  # draftretriever pads with -2
             trees.append(tree_from_rows(rows, budget, source=SOURCE_DATASTORE))

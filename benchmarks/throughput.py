@@ -31,10 +31,9 @@ from datastore.paths import default_datastore_dir
 from drafter.drafter import Drafter, DrafterConfig
 from orchestrator.budget import BudgetController, BudgetPolicy
 from orchestrator.core import Orchestrator
-from orchestrator.profiling import fit_step_model
+from orchestrator.profiling import fit_step_model, measure_hardware
 from orchestrator.request import GenerationRequest
 from orchestrator.roofline import ModelShape, StepTimeModel
-from tools.profile_hardware import profile
 from tools.prompt_sets import PROMPT_SETS
 from tools.trajectories import load_trajectories, trajectory_path
 from trt_engines.prepare import resolve_model_dir
@@ -49,7 +48,7 @@ def build_stack(dtype: torch.dtype, *, num_blocks: int, max_nodes: int = 64):
     datastore = Datastore.open(default_datastore_dir())
     drafter = Drafter(DrafterConfig(max_budget=max_nodes), datastores=[datastore])
     dtype_name = "float32" if dtype == torch.float32 else "bfloat16"
-    step_model = StepTimeModel(ModelShape.from_config(resolve_model_dir("default")), profile("cpu"), dtype=dtype_name)
+    step_model = StepTimeModel(ModelShape.from_config(resolve_model_dir("default")), measure_hardware("cpu"), dtype=dtype_name)
     fit_error = fit_step_model(engine, step_model)
     return engine, drafter, step_model, fit_error
 
@@ -240,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sets", nargs="+", default=list(PROMPT_SETS), choices=PROMPT_SETS)
     parser.add_argument("--caps", nargs="+", type=int, default=[1, 4, 16, 32])
     parser.add_argument("--policies", nargs="+", default=list(POLICIES))
-    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--identity-prompts", type=int, default=20)
     parser.add_argument("--quick", action="store_true", help="2 sets, caps 1 and 4, 3 policies, 64 tokens")
     args = parser.parse_args(argv)
@@ -249,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         args.policies, args.max_tokens, args.identity_prompts = ["none", "fixed:16", "goodput"], 64, 4
         prompts_per_cap = lambda cap: max(cap, 2)  # noqa: E731
     else:
-        prompts_per_cap = lambda cap: max(2 * cap, 8)  # noqa: E731
+        prompts_per_cap = lambda cap: max(cap, 8)  # noqa: E731
     for policy in args.policies:
         BudgetPolicy.parse(policy)  # fail fast on a typo
     started = time.perf_counter()

@@ -98,7 +98,7 @@ class CalibrationMap:
     """
 
     def __init__(self, curves: Mapping[tuple[int, int, int], Curve] | None = None, *, max_bucket: int = 4,
-                 max_depth: int = 16):
+                 max_depth: int = 32):
         if max_bucket < 1 or max_depth < 1:
             raise ValueError("max_bucket and max_depth must be >= 1")
         self.curves: dict[tuple[int, int, int], Curve] = dict(curves or {})
@@ -117,7 +117,7 @@ class CalibrationMap:
     # ---- fitting ---------------------------------------------------------------------------------------------
     @classmethod
     def fit(cls, records: Mapping[str, np.ndarray], *, n_bins: int = 20, min_count: int = 200, max_bucket: int = 4,
-            max_depth: int = 16) -> "CalibrationMap":
+            max_depth: int = 32) -> "CalibrationMap":
         """Fit from logged nodes: arrays `source, depth, match_len, score, accepted` (accepted = node on the accepted
         path). Keys with fewer than `min_count` records are left to the fallback levels."""
         missing = {"source", "depth", "match_len", "score", "accepted"} - set(records)

@@ -27,7 +27,6 @@ from collections.abc import Hashable, KeysView, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import numba
 import numpy as np
 
 from drafter.calibration import CalibrationMap
@@ -41,28 +40,27 @@ SOURCES = ("fused", "input", "datastore")
 
 @dataclass(frozen=True)
 class DrafterConfig:
-    """SSSD defaults (sssd-notes §1.3, §2)."""
+    """SSSD's defaults (sssd-notes §1.3, §2), except the input source's depth and score constants, which
+    `tools/calibrate.py` grid-searched on the calibration trajectories (benchmarks/results/calibration.json;
+    SSSD uses depth 8, scale 0.6, delta base 0.6)."""
 
     sources: str = "fused"  # "fused" | "input" | "datastore"
     query_len: int = 4  # q: suffix length looked up in both sources
-    input_depth: int = 8  # L: continuation depth from the input index
+    input_depth: int = 24  # L: continuation depth from the input index
     input_max_tokens: int = 16384  # per-request memory cap of the input index (oldest tokens dropped beyond)
-    input_scale: float = 0.6  # input score at depth 1 = input_scale * c(child) / c(node)
-    delta_base: float = 0.6  # deeper input levels are damped by delta(m) = delta_base + delta_step * m
+    input_scale: float = 1.0  # input score at depth 1 = input_scale * c(child) / c(node)
+    delta_base: float = 0.7  # deeper input levels are damped by delta(m) = delta_base + delta_step * m
     delta_step: float = 0.1
     datastore_samples: int = 100  # K: continuations sampled per lookup
     backoff_threshold: int = 50  # keep shortening the prefix while the merged trie has fewer continuations
     datastore_branch_len: int | None = None  # None: SSSD schedule by budget (sssd_branch_length)
     fanout: int = 5  # max children per tree node (also capped by the budget)
     max_budget: int = 64
-    # numba threads while drafting (datastore kernels); 1 = serial. A batch is ~1 ms of work, and on a small shared
-    # host waking numba's thread pool cost 5-16 ms per launch (measured), so more threads only pay on big hosts.
-    num_threads: int = 1
 
     def __post_init__(self):
         if self.sources not in SOURCES:
             raise ValueError(f"sources must be one of {SOURCES}, got {self.sources!r}")
-        for name in ("query_len", "input_depth", "datastore_samples", "fanout", "max_budget", "num_threads"):
+        for name in ("query_len", "input_depth", "datastore_samples", "fanout", "max_budget"):
             if getattr(self, name) < 1:
                 raise ValueError(f"DrafterConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.datastore_branch_len is not None and self.datastore_branch_len < 1:
@@ -138,12 +136,7 @@ class Drafter:
             lengths = np.array([0 if b == 0 else (cfg.datastore_branch_len or sssd_branch_length(b))
                                 for b in budgets], np.int32)
             prefixes = [s.buf[max(0, s.n - cfg.query_len) : s.n] for s in seqs]
-            saved = numba.get_num_threads()
-            numba.set_num_threads(min(cfg.num_threads, numba.config.NUMBA_NUM_THREADS))
-            try:
-                cand = self._ds_source.lookup(prefixes, lengths)
-            finally:
-                numba.set_num_threads(saved)
+            cand = self._ds_source.lookup(prefixes, lengths)
         else:
             cand = self._ds_source_empty(B)
         lookup, kx, ky, kn = self._cal_tables

@@ -30,9 +30,23 @@ def _build_datastore(argv: Sequence[str]) -> int:
     return build_main(list(argv))
 
 
+def _serve(argv: Sequence[str]) -> int:
+    from orchestrator.serving.cli import serve_main
+
+    return serve_main(list(argv))
+
+
+def _export_triton_repo(argv: Sequence[str]) -> int:
+    from orchestrator.serving.cli import export_main
+
+    return export_main(list(argv))
+
+
 COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "model": (_model, "prepare target models (`retrospec model prepare`)"),
     "build-datastore": (_build_datastore, "build a suffix-array datastore from corpora"),
+    "serve": (_serve, "serve over Triton Inference Server (--triton) and/or an OpenAI-style HTTP API (--http)"),
+    "export-triton-repo": (_export_triton_repo, "write a model repository for a stock tritonserver"),
 }
 
 

@@ -7,11 +7,12 @@ overhead per step and per token). Afterwards the orchestrator keeps refitting on
 from __future__ import annotations
 
 import itertools
+import time
 
 import numpy as np
 
 from drafter.tree import DraftTree
-from orchestrator.roofline import StepTimeModel
+from orchestrator.roofline import HardwareSpec, StepTimeModel
 from trt_engines.base import TargetEngine, VerifyItem
 
 
@@ -62,3 +63,39 @@ def _greedy():
     from trt_engines.base import SamplingParams
 
     return SamplingParams()
+
+
+def _timed(fn, sync, repeats: int) -> float:
+    fn()
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def measure_hardware(device: str = "cpu", *, size: int = 2048, stream_mb: int = 512, repeats: int = 5) -> HardwareSpec:
+    """Matmul FLOP/s per dtype (best of square matmuls), streaming bandwidth (`a + b -> c`, 3 transfers, SSSD's
+    method) and a tiny matmul's wall time as the per-step overhead, on `device` (CPU or CUDA)."""
+    import torch
+
+    dev = torch.device(device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    flops = {}
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        a = torch.randn(size, size, device=dev, dtype=dtype)
+        b = torch.randn(size, size, device=dev, dtype=dtype)
+        seconds = _timed(lambda: a @ b, sync, repeats)
+        flops[name] = 2 * size**3 / seconds
+    n = stream_mb * (1 << 20) // 4
+    x, y = torch.ones(n, device=dev), torch.ones(n, device=dev)
+    out = torch.empty(n, device=dev)
+    seconds = _timed(lambda: torch.add(x, y, out=out), sync, repeats)
+    bandwidth = 3 * n * 4 / seconds
+    small = torch.randn(8, 8, device=dev)
+    overhead = _timed(lambda: small @ small, sync, 50)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu-{torch.get_num_threads()}threads"
+    return HardwareSpec(name=f"measured:{name}", peak_flops=flops, mem_bandwidth=bandwidth, overhead_s=overhead)

@@ -1,0 +1,114 @@
+"""`retrospec serve` and `retrospec export-triton-repo` (registered in `orchestrator/cli.py`).
+
+    retrospec serve --triton --http --triton-http-port 8000 --triton-grpc-port 8001 --http-port 9000
+    retrospec export-triton-repo ./model_repository --policy goodput
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+from collections.abc import Sequence
+
+
+def _config_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("model and scheduling")
+    g.add_argument("--model", default="default", help="model name or folder (default: the prepared default model)")
+    g.add_argument("--model-name", default="retrospec", help="the model name clients send (OpenAI `model`)")
+    g.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    g.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks (default: 8 full contexts)")
+    g.add_argument("--max-context", type=int, default=2048)
+    g.add_argument("--datastore", action="append", default=None,
+                   help="datastore folder (repeatable; default: the default datastore if built)")
+    g.add_argument("--policy", default="goodput", help="speculation budget: goodput, roofline, fixed:B or none")
+    g.add_argument("--max-running", type=int, default=32)
+    g.add_argument("--hardware", default="measure", help="measure (profile at start-up), nominal, a known name "
+                   "(H100-SXM, ...) or a profile JSON")
+    g.add_argument("--no-fit", action="store_true", help="skip the start-up fit of the step-time model")
+    g.add_argument("--max-body-bytes", type=int, default=1 << 20)
+
+
+def _config(args):
+    from orchestrator.serving.stack import ServingConfig
+
+    return ServingConfig(model=args.model, model_name=args.model_name, dtype=args.dtype, device=args.device,
+                         num_blocks=args.num_blocks, max_context=args.max_context,
+                         datastores=None if args.datastore is None else tuple(args.datastore), policy=args.policy,
+                         max_running=args.max_running, hardware=args.hardware, fit_step_model=not args.no_fit,
+                         max_body_bytes=args.max_body_bytes)
+
+
+def serve_main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="retrospec serve", description="Serve retrospec on 127.0.0.1 (by default).")
+    parser.add_argument("--triton", action="store_true", help="start Triton Inference Server (pytriton)")
+    parser.add_argument("--http", action="store_true", help="start the OpenAI-compatible HTTP API")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--http-port", type=int, default=9000, help="OpenAI API port")
+    parser.add_argument("--triton-http-port", type=int, default=8000)
+    parser.add_argument("--triton-grpc-port", type=int, default=8001)
+    parser.add_argument("--triton-metrics-port", type=int, default=8002)
+    _config_args(parser)
+    args = parser.parse_args(argv)
+    if not (args.triton or args.http):
+        parser.error("choose a front end: --triton, --http or both")
+    from orchestrator.serving.stack import ServingStack
+
+    try:
+        config = _config(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    stack = ServingStack.build(config)
+    triton = None
+    stop = threading.Event()
+    try:
+        if args.triton:
+            from orchestrator.serving.triton_server import TritonPorts, start_triton
+
+            triton = start_triton(stack, address=args.host, ports=TritonPorts(
+                args.triton_http_port, args.triton_grpc_port, args.triton_metrics_port))
+            print(f"triton: http {args.host}:{args.triton_http_port}, grpc {args.host}:{args.triton_grpc_port}",
+                  flush=True)
+        http = None
+        if args.http:
+            from orchestrator.serving.http_api import serve_http
+
+            http = serve_http(stack, host=args.host, port=args.http_port, log_level="info")
+
+        def on_signal(*_):  # first signal: graceful; uvicorn then waits for open responses to finish
+            stop.set()
+            if http is not None:
+                http.should_exit = True
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, on_signal)
+        if http is not None:
+            print(f"openai api: http://{args.host}:{args.http_port}/v1", flush=True)
+            http.run()
+        else:
+            while not stop.wait(0.5):
+                pass
+    finally:
+        # Graceful: stop taking requests, let in-flight ones finish (bounded), then stop Triton.
+        stack.shutdown(cancel_inflight=False, timeout=60)
+        if triton is not None:
+            triton.stop()
+    return 0
+
+
+def export_main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="retrospec export-triton-repo",
+                                     description="Write a Triton model repository (Python backend) for retrospec.")
+    parser.add_argument("dir", help="output folder (created; existing model folders are overwritten)")
+    _config_args(parser)
+    args = parser.parse_args(argv)
+    from orchestrator.serving.triton_repo import export_repository
+
+    try:
+        config = _config(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    for path in export_repository(args.dir, config):
+        print(path)
+    return 0

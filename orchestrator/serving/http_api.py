@@ -1,0 +1,262 @@
+"""OpenAI-compatible HTTP API (FastAPI): `/v1/completions`, `/v1/chat/completions` (server-sent events when
+`stream` is true), `/v1/models`, `/health`, `/metrics` (Prometheus text).
+
+Bad input gets a 4xx with OpenAI's error shape, `{"error": {"message", "type", "param", "code"}}`, and damages
+nothing else. Extensions beyond OpenAI's fields: `top_k`, `ignore_eos`, `tpot_ms` (the request's time-per-output-
+token objective) in requests; `token_ids` per choice and a `retrospec` object with speculation statistics (steps,
+accepted draft tokens, tokens per step) in responses. Like OpenAI, `temperature` defaults to 1.0 (sampling): send
+`"temperature": 0` for greedy output.
+
+Example:
+
+    curl -s localhost:8000/v1/completions -H 'content-type: application/json' \
+        -d '{"model": "retrospec", "prompt": "def add(a, b):", "max_tokens": 16, "temperature": 0}'
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from contextlib import aclosing
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from orchestrator.request import FinishReason, GenerationRequest, RequestOutput
+from orchestrator.serving.stack import ServingStack
+
+_FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.CANCELLED: "abort"}
+_FIELDS = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+           "seed", "stop", "stream", "stream_options", "ignore_eos", "tpot_ms", "n", "user", "logprobs",
+           "echo", "presence_penalty", "frequency_penalty"}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, *, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
+                                       "code": self.code}}, status_code=self.status)
+
+
+def create_app(stack: ServingStack) -> FastAPI:
+    app = FastAPI(title="retrospec", docs_url=None, redoc_url=None)
+    limit = stack.config.max_body_bytes
+    name = stack.config.model_name
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        stack.metrics.rejected.labels(frontend="http").inc()
+        return exc.response()
+
+    @app.middleware("http")
+    async def _body_limit(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            stack.metrics.rejected.labels(frontend="http").inc()
+            return ApiError(413, f"the request body has {length} bytes; the limit is {limit} "
+                                 "(ServingConfig.max_body_bytes / --max-body-bytes)").response()
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not stack.runner.alive:
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(stack.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "retrospec"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = await _read_json(request, limit)
+        _check_model(body, name)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            gen = _build(stack, body, text=prompt)
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            gen = _build(stack, body, prompt_ids=prompt)
+        else:
+            raise ApiError(400, "prompt must be a string or a list of token ids (one prompt per request)", param="prompt")
+        return await _respond(stack, body, gen, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = await _read_json(request, limit)
+        _check_model(body, name)
+        try:
+            text = stack.render_chat(body.get("messages"))
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="messages") from None
+        return await _respond(stack, body, _build(stack, body, text=text), chat=True)
+
+    return app
+
+
+async def _read_json(request: Request, limit: int) -> dict:
+    body = b""
+    async for chunk in request.stream():  # counts bytes as they come: chunked bodies have no content-length
+        body += chunk
+        if len(body) > limit:
+            raise ApiError(413, f"the request body exceeds the limit of {limit} bytes "
+                                "(ServingConfig.max_body_bytes / --max-body-bytes)")
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the body is not valid JSON ({exc}); send a JSON object") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    unknown = sorted(set(data) - _FIELDS)
+    if unknown:
+        raise ApiError(400, f"unknown field(s) {unknown}; supported: {sorted(_FIELDS)}", param=unknown[0])
+    return data
+
+
+def _check_model(body: dict, name: str) -> None:
+    model = body.get("model")
+    if model is None:
+        raise ApiError(400, f"the field `model` is required; this server serves {name!r}", param="model")
+    if model != name:
+        raise ApiError(404, f"the model {model!r} does not exist; this server serves {name!r} (see /v1/models)",
+                       param="model", code="model_not_found")
+
+
+def _build(stack: ServingStack, body: dict, **prompt) -> GenerationRequest:
+    if body.get("n", 1) != 1:
+        raise ApiError(400, "only n=1 is supported", param="n")
+    tpot_ms = body.get("tpot_ms")
+    if tpot_ms is not None and (isinstance(tpot_ms, bool) or not isinstance(tpot_ms, (int, float))):
+        raise ApiError(400, f"tpot_ms must be a number of milliseconds; got {tpot_ms!r}", param="tpot_ms")
+    stop = body.get("stop") or ()
+    try:
+        return stack.make_request(
+            **prompt,
+            max_tokens=body.get("max_completion_tokens", body.get("max_tokens", 16)),
+            temperature=body.get("temperature", 1.0) if body.get("temperature") is not None else 1.0,
+            top_p=body.get("top_p", 1.0) if body.get("top_p") is not None else 1.0,
+            top_k=body.get("top_k", 0) or 0,
+            seed=body.get("seed"),
+            stop=stop,
+            tpot_s=None if tpot_ms is None else tpot_ms / 1e3,
+            ignore_eos=bool(body.get("ignore_eos", False)),
+        )
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from None
+
+
+async def _respond(stack: ServingStack, body: dict, gen: GenerationRequest, *, chat: bool) -> Response:
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    created = int(time.time())
+    model = stack.config.model_name
+    if not stack.runner.alive:
+        raise ApiError(503, "the server is shutting down", kind="server_error")
+    outputs = stack.stream(gen, frontend="http")
+    try:
+        first = await outputs.__anext__()  # submit errors (validation, shutdown) surface here, before any byte is sent
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from None
+    except RuntimeError as exc:
+        raise ApiError(503, str(exc), kind="server_error") from None
+
+    async def all_outputs() -> AsyncIterator[RequestOutput]:
+        async with aclosing(outputs):  # an early exit (client gone) closes the stream, which cancels the request
+            yield first
+            async for out in outputs:
+                yield out
+
+    if body.get("stream"):
+        return StreamingResponse(_sse_closing(all_outputs(), rid, created, model, gen, chat=chat),
+                                 media_type="text/event-stream")
+    tokens: list[int] = []
+    text = ""
+    final = first
+    async with aclosing(all_outputs()) as stream:
+        async for out in stream:
+            tokens += out.token_ids
+            text += out.text
+            final = out
+    if final.finish_reason == FinishReason.ERROR:
+        raise ApiError(400, final.error or "the request failed")
+    choice = {"index": 0, "finish_reason": _FINISH.get(final.finish_reason, "stop"), "token_ids": tokens}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice.update(text=text, logprobs=None)
+    return JSONResponse({
+        "id": rid, "object": "chat.completion" if chat else "text_completion", "created": created, "model": model,
+        "choices": [choice], "usage": _usage(gen, len(tokens)), "retrospec": _stats(final),
+    })
+
+
+async def _sse(outputs: AsyncIterator[RequestOutput], rid: str, created: int, model: str, gen: GenerationRequest,
+               *, chat: bool) -> AsyncIterator[bytes]:
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    count = 0
+    first = True
+    async for out in outputs:  # a client disconnect cancels this generator, and the stream cancels the request
+        count += len(out.token_ids)
+        if out.finish_reason == FinishReason.ERROR:
+            error = {"error": {"message": out.error or "the request failed", "type": "invalid_request_error",
+                               "param": None, "code": None}}
+            yield f"data: {json.dumps(error)}\n\n".encode()
+            break
+        choice: dict = {"index": 0, "token_ids": out.token_ids,
+                        "finish_reason": _FINISH.get(out.finish_reason) if out.finished else None}
+        if chat:
+            choice["delta"] = ({"role": "assistant"} if first else {}) | {"content": out.text}
+        else:
+            choice.update(text=out.text, logprobs=None)
+        chunk = {"id": rid, "object": kind, "created": created, "model": model, "choices": [choice]}
+        if out.finished:
+            chunk["usage"] = _usage(gen, count)
+            chunk["retrospec"] = _stats(out)
+        first = False
+        yield f"data: {json.dumps(chunk)}\n\n".encode()
+    yield b"data: [DONE]\n\n"
+
+
+async def _sse_closing(outputs: AsyncIterator[RequestOutput], *args, **kwargs) -> AsyncIterator[bytes]:
+    async with aclosing(outputs), aclosing(_sse(outputs, *args, **kwargs)) as events:
+        async for event in events:
+            yield event
+
+
+def _usage(gen: GenerationRequest, completion_tokens: int) -> dict:
+    return {"prompt_tokens": len(gen.prompt_ids), "completion_tokens": completion_tokens,
+            "total_tokens": len(gen.prompt_ids) + completion_tokens}
+
+
+def _stats(out: RequestOutput) -> dict:
+    s = out.stats
+    if s is None:
+        return {}
+    return {"steps": s.steps, "accepted_tokens": s.accepted, "drafted_tokens": s.drafted,
+            "tokens_per_step": s.tokens_per_step, "drafter_fallbacks": s.fallbacks}
+
+
+def serve_http(stack: ServingStack, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning"):
+    """Build a uvicorn server for the app (call `.run()` to block, or run it in a thread and set `should_exit`)."""
+    import contextlib
+
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        # uvicorn re-raises SIGINT/SIGTERM after its own shutdown, which would kill the process before the caller
+        # finishes in-flight Triton requests and stops tritonserver; the caller owns the signals instead.
+        def capture_signals(self):
+            return contextlib.nullcontext()
+
+    return _Server(uvicorn.Config(create_app(stack), host=host, port=port, log_level=log_level,
+                                  timeout_graceful_shutdown=30))

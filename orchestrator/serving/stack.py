@@ -1,0 +1,270 @@
+"""The shared serving stack: one engine, one drafter, one orchestrator and one runner thread, used by every front
+end (Triton models and the OpenAI-style HTTP API) in the process.
+
+Vocabulary: a *front end* turns wire requests into `GenerationRequest`s and streams `RequestOutput`s back; the
+*stack* owns everything behind that, including request validation shared by all front ends (`make_request`) and
+the Prometheus metrics.
+
+Example:
+
+    stack = ServingStack.build(ServingConfig(policy="goodput", num_blocks=512))
+    request = stack.make_request(text="def add(a, b):", max_tokens=16)
+    completion = stack.runner.generate(request)
+    stack.shutdown()
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import aclosing
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from datastore.paths import default_datastore_dir
+from orchestrator.budget import BudgetController, BudgetPolicy
+from orchestrator.core import Orchestrator, OutputCallback, StepRecord
+from orchestrator.request import GenerationRequest, RequestOutput
+from orchestrator.roofline import HardwareSpec, ModelShape, StepTimeModel, hardware
+from orchestrator.runner import OrchestratorRunner
+from orchestrator.serving.metrics import ServingMetrics
+from trt_engines.base import SamplingParams
+
+# A deliberately rough CPU roofline for when no profile is wanted (tests): the online refit corrects it.
+NOMINAL_CPU = HardwareSpec("nominal-cpu", {"float32": 1e11, "bfloat16": 3e11}, mem_bandwidth=2e10, overhead_s=5e-3)
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """Everything needed to build a stack. `datastores=None` means the default datastore if it is built (else the
+    drafter uses the request's own input index only). `hardware`: "measure" profiles this device at start-up,
+    "nominal" uses NOMINAL_CPU, anything else is a `roofline.hardware` name or profile JSON path."""
+
+    model: str = "default"
+    model_name: str = "retrospec"  # the name clients send (`model` in OpenAI requests)
+    dtype: str = "bfloat16"
+    device: str | None = None
+    num_blocks: int | None = None
+    block_size: int = 16
+    max_context: int | None = 2048
+    datastores: tuple[str, ...] | None = None
+    policy: str = "goodput"
+    max_nodes_per_request: int = 64
+    max_running: int = 32
+    hardware: str = "measure"
+    fit_step_model: bool = True  # a few seconds of verify steps at start-up to fit this engine's constants
+    torch_threads: int | None = None
+    max_body_bytes: int = 1 << 20  # HTTP bodies above this are refused with 413
+    draft_idle_timeout_s: float = 300.0  # retrospec_draft sessions without a call for this long are released
+
+    def __post_init__(self) -> None:
+        BudgetPolicy.parse(self.policy)  # raises a clear ValueError on a typo
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16; got {self.dtype!r}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024; got {self.max_body_bytes}")
+        if self.draft_idle_timeout_s <= 0:
+            raise ValueError(f"draft_idle_timeout_s must be > 0; got {self.draft_idle_timeout_s}")
+
+
+class MeteredOrchestrator(Orchestrator):
+    """An `Orchestrator` that reports every step to `ServingMetrics` (on the runner thread)."""
+
+    def __init__(self, *args, metrics: ServingMetrics, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.metrics = metrics
+
+    def step(self) -> StepRecord | None:
+        record = super().step()
+        if record is not None:
+            self.metrics.observe_step(record)
+        self.metrics.running.set(len(self.running))
+        self.metrics.waiting.set(len(self.waiting))
+        self.metrics.free_kv_blocks.set(self.engine.free_blocks())
+        return record
+
+
+@dataclass
+class ServingStack:
+    config: ServingConfig
+    engine: object
+    drafter: object
+    orchestrator: MeteredOrchestrator
+    runner: OrchestratorRunner
+    tokenizer: object  # tokenizers.Tokenizer
+    metrics: ServingMetrics
+    model_dir: Path
+    _chat_tokenizer: object = field(default=None, repr=False)
+    _chat_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    # -- construction -----------------------------------------------------------------------------------------------
+    @classmethod
+    def build(cls, config: ServingConfig = ServingConfig()) -> "ServingStack":
+        import torch
+        from tokenizers import Tokenizer
+
+        from trt_engines.prepare import resolve_model_dir
+        from trt_engines.torch_engine import TorchEngine
+
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
+        model_dir = Path(resolve_model_dir(config.model))
+        engine = TorchEngine(config.model, dtype=getattr(torch, config.dtype), device=config.device,
+                             num_blocks=config.num_blocks, block_size=config.block_size, max_context=config.max_context)
+        drafter = make_drafter(config)
+        shape = ModelShape.from_config(model_dir)
+        if config.hardware == "measure":
+            from orchestrator.profiling import measure_hardware
+
+            spec = measure_hardware(engine.device.type, stream_mb=128, repeats=3)
+        elif config.hardware == "nominal":
+            spec = NOMINAL_CPU
+        else:
+            spec = hardware(config.hardware)
+        step_model = StepTimeModel(shape, spec, dtype=config.dtype)
+        if config.fit_step_model:
+            from orchestrator.profiling import fit_step_model
+
+            fit_step_model(engine, step_model, repeats=1)
+        policy = BudgetPolicy.parse(config.policy, max_nodes_per_request=config.max_nodes_per_request)
+        metrics = ServingMetrics()
+        tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        orchestrator = MeteredOrchestrator(engine, drafter, BudgetController(policy, step_model), tokenizer=tokenizer,
+                                           max_running=config.max_running, metrics=metrics)
+        metrics.free_kv_blocks.set(engine.free_blocks())
+        runner = OrchestratorRunner(orchestrator).start()
+        return cls(config, engine, drafter, orchestrator, runner, tokenizer, metrics, model_dir)
+
+    def set_policy(self, text: str) -> None:
+        """Switch the budget policy (benchmarks compare policies on one warm server). Call while idle."""
+        policy = BudgetPolicy.parse(text, max_nodes_per_request=self.config.max_nodes_per_request)
+        self.orchestrator.budget.policy = policy
+
+    # -- request building (shared validation for every front end) ------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def render_chat(self, messages: Sequence[dict]) -> str:
+        """The model's chat template applied to OpenAI-style messages, with the assistant turn opened."""
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a non-empty list of {role, content} objects")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError(f"messages[{i}] must be an object with string fields role and content")
+            if m["role"] not in ("system", "user", "assistant"):
+                raise ValueError(f"messages[{i}].role must be system, user or assistant; got {m['role']!r}")
+        with self._chat_lock:
+            if self._chat_tokenizer is None:
+                from transformers import AutoTokenizer
+
+                self._chat_tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+            return self._chat_tokenizer.apply_chat_template(
+                [{"role": m["role"], "content": m["content"]} for m in messages],
+                add_generation_prompt=True, tokenize=False)
+
+    def make_request(
+        self,
+        *,
+        text: str | None = None,
+        prompt_ids: Sequence[int] | np.ndarray | None = None,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        tpot_s: float | None = None,
+        ignore_eos: bool = False,
+    ) -> GenerationRequest:
+        """Validate wire-level fields and build a request; ValueError names the bad field and the fix."""
+        if (text is None) == (prompt_ids is None):
+            raise ValueError("send exactly one of a text prompt or prompt token ids")
+        if text is not None:
+            if not isinstance(text, str):
+                raise ValueError(f"the prompt must be a string; got {type(text).__name__}")
+            ids = self.encode(text)
+        else:
+            arr = np.asarray(prompt_ids)
+            if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+                raise ValueError("prompt token ids must be a flat list of integers")
+            ids = [int(t) for t in arr]
+        if not ids:
+            raise ValueError("the prompt is empty: send at least one token (or non-empty text)")
+        vocab = self.engine.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt token ids must lie in [0, {vocab}); got {min(ids)}..{max(ids)}")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1; got {max_tokens!r}")
+        limit = self.engine.max_context - len(ids)
+        if limit < 1:
+            raise ValueError(f"the prompt has {len(ids)} tokens; the model context is {self.engine.max_context}: "
+                             "shorten the prompt")
+        if max_tokens > limit:
+            raise ValueError(f"max_tokens={max_tokens} is too large: prompt ({len(ids)} tokens) + max_tokens must fit "
+                             f"the context of {self.engine.max_context}; use max_tokens <= {limit}")
+        if isinstance(stop, str):
+            stop = (stop,)
+        if not all(isinstance(s, str) for s in stop):
+            raise ValueError("stop must be a string or a list of strings")
+        sampling = SamplingParams(temperature=_number(temperature, "temperature"), top_p=_number(top_p, "top_p"),
+                                  top_k=_integer(top_k, "top_k"), seed=None if seed is None else _integer(seed, "seed"))
+        return GenerationRequest(prompt_ids=tuple(ids), max_tokens=int(max_tokens), sampling=sampling,
+                                 stop_strings=tuple(stop), ignore_eos=bool(ignore_eos),
+                                 tpot_s=None if tpot_s is None else _number(tpot_s, "tpot objective"))
+
+    # -- generation -------------------------------------------------------------------------------------------------
+    def submit(self, request: GenerationRequest, on_output: OutputCallback, *, frontend: str,
+               request_id: str | None = None) -> str:
+        def observed(out: RequestOutput) -> None:
+            self.metrics.observe_output(out, frontend=frontend)
+            on_output(out)
+
+        rid = self.runner.submit(request, observed, request_id=request_id)
+        self.metrics.prompt_tokens.inc(len(request.prompt_ids))
+        return rid
+
+    async def stream(self, request: GenerationRequest, *, frontend: str) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; leaving the loop early cancels the request (and frees its KV blocks)."""
+        first, finished = True, False
+        try:
+            async with aclosing(self.runner.stream(request)) as outputs:  # closing it cancels an unfinished request
+                async for out in outputs:
+                    if first:  # submitted (a rejected request raises before its first output)
+                        self.metrics.prompt_tokens.inc(len(request.prompt_ids))
+                        first = False
+                    finished = out.finished
+                    self.metrics.observe_output(out, frontend=frontend)
+                    yield out
+        finally:
+            if not first and not finished:  # the consumer left mid-stream; its final (cancelled) update went nowhere
+                self.metrics.requests.labels(finish_reason="cancelled", frontend=frontend).inc()
+
+    def shutdown(self, *, cancel_inflight: bool = False, timeout: float | None = 60.0) -> None:
+        self.runner.shutdown(cancel_inflight=cancel_inflight, timeout=timeout)
+
+
+def make_drafter(config: ServingConfig):
+    """A drafter over the configured datastores (each call builds its own index state; datastores are mmapped)."""
+    from datastore import Datastore
+    from drafter.drafter import Drafter, DrafterConfig
+
+    paths = config.datastores
+    if paths is None:
+        default = default_datastore_dir()
+        paths = (str(default),) if (default / "manifest.json").is_file() else ()
+    stores = [Datastore.open(p) for p in paths]
+    return Drafter(DrafterConfig(sources="fused" if stores else "input"), datastores=stores)
+
+
+def _number(value, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{name} must be a number; got {value!r}")
+    return float(value)
+
+
+def _integer(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer; got {value!r}")
+    return int(value)

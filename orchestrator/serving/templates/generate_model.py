@@ -1,0 +1,62 @@
+"""retrospec_generate for a stock tritonserver (Python backend, decoupled). Written by `retrospec
+export-triton-repo`; the serving configuration and the import path come from this model's config.pbtxt."""
+
+import json
+import sys
+from types import SimpleNamespace
+
+import triton_python_backend_utils as pb_utils
+
+INPUTS = ("text_input", "input_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "tpot_ms",
+          "ignore_eos")
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        params = {k: v["string_value"] for k, v in json.loads(args["model_config"]).get("parameters", {}).items()}
+        for path in reversed(json.loads(params.get("python_path", "[]"))):
+            if path not in sys.path:
+                sys.path.insert(0, path)
+        from orchestrator.serving.stack import ServingConfig, ServingStack
+        from orchestrator.serving.triton_server import GenerateModel
+
+        self.stack = ServingStack.build(ServingConfig(**json.loads(params["serving_config"])))
+        self.model = GenerateModel(self.stack)
+
+    def execute(self, requests):
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        for request in requests:
+            sender = request.get_response_sender()
+            data = {}
+            for name in INPUTS:
+                tensor = pb_utils.get_input_tensor_by_name(request, name)
+                if tensor is not None:
+                    data[name] = tensor.as_numpy()
+            try:
+                generation = self.model.stack_request(SimpleNamespace(data=data))
+                self.stack.submit(generation, lambda out, sender=sender: self._send(sender, out), frontend="triton")
+            except (ValueError, RuntimeError) as exc:  # bad input or shutting down: this request only
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))), flags=final)
+        return None
+
+    def _send(self, sender, out):
+        import numpy as np
+
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        if out.error is not None:
+            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(out.error)), flags=final)
+            return
+        stats = out.stats
+        tensors = [
+            pb_utils.Tensor("output_ids", np.asarray(out.token_ids, dtype=np.int32)),
+            pb_utils.Tensor("text_output", np.array([out.text.encode()], dtype=np.object_)),
+            pb_utils.Tensor("finish_reason", np.array([out.finish_reason.value.encode() if out.finished else b""],
+                                                      dtype=np.object_)),
+            pb_utils.Tensor("steps", np.array([stats.steps if stats else 0], dtype=np.int32)),
+            pb_utils.Tensor("accepted_tokens", np.array([stats.accepted if stats else 0], dtype=np.int32)),
+            pb_utils.Tensor("tokens_per_step", np.array([stats.tokens_per_step if stats else 0.0], dtype=np.float32)),
+        ]
+        sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=final if out.finished else 0)
+
+    def finalize(self):
+        self.stack.shutdown(cancel_inflight=True, timeout=30)

@@ -1,0 +1,237 @@
+"""Triton Inference Server front end through `nvidia-pytriton` (which bundles tritonserver and its Python backend).
+
+Models:
+
+`retrospec_generate` (decoupled: one response per streamed update)
+    inputs   text_input BYTES[1] | input_ids INT32[-1] (one of them), max_tokens INT32[1], temperature FP32[1],
+             top_p FP32[1], top_k INT32[1], seed INT64[1], stop BYTES[-1], tpot_ms FP32[1], ignore_eos BOOL[1]
+             (all optional but the prompt; defaults: 16 tokens, greedy)
+    outputs  output_ids INT32[-1] and text_output BYTES[1] (the delta), finish_reason BYTES[1] ("" until the last
+             response: stop | length | cancelled), steps INT32[1], accepted_tokens INT32[1], tokens_per_step FP32[1]
+             (request statistics so far; final on the last response)
+
+`retrospec_draft` (one response per call)
+    inputs   request_id BYTES[1], input_ids INT32[-1] (the prompt on the first call, newly accepted tokens after),
+             budget INT32[1] (draft nodes, default 16), end BOOL[1] (release the request's state)
+    outputs  draft_tokens INT32[-1], draft_parents INT32[-1] (-1 = child of the last context token),
+             draft_probs FP32[-1] (calibrated path-acceptance probabilities), best_path INT32[-1] (token ids of the
+             linear draft with the most expected accepted tokens, for engines that verify chains)
+
+Triton loads its Python backend stub through libpython, so `LD_LIBRARY_PATH` must include Python's LIBDIR before
+tritonserver starts (otherwise model loading fails with an `_thread.RLock` error): `start_triton` adds it to this
+process's environment, which the tritonserver subprocess inherits.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sysconfig
+from dataclasses import dataclass
+
+import numpy as np
+
+from orchestrator.request import FinishReason
+from orchestrator.serving.draft_service import DraftService
+from orchestrator.serving.stack import ServingStack, make_drafter
+
+GENERATE_MODEL = "retrospec_generate"
+DRAFT_MODEL = "retrospec_draft"
+
+
+@dataclass(frozen=True)
+class TritonPorts:
+    http: int = 8000
+    grpc: int = 8001
+    metrics: int = 8002
+
+    @classmethod
+    def free(cls) -> "TritonPorts":
+        return cls(*free_ports(3))
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free TCP ports on 127.0.0.1 (held open together so they differ)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def ensure_libpython_on_ld_path() -> str:
+    """Add Python's LIBDIR to LD_LIBRARY_PATH (for child processes: the tritonserver and its backend stubs)."""
+    libdir = sysconfig.get_config_var("LIBDIR") or ""
+    parts = [p for p in os.environ.get("LD_LIBRARY_PATH", "").split(":") if p]
+    if libdir and libdir not in parts:
+        os.environ["LD_LIBRARY_PATH"] = ":".join([libdir, *parts])
+    return os.environ.get("LD_LIBRARY_PATH", "")
+
+
+class GenerateModel:
+    """The `retrospec_generate` inference callable (an async generator: pytriton runs many concurrently)."""
+
+    def __init__(self, stack: ServingStack) -> None:
+        self.stack = stack
+
+    async def __call__(self, requests):
+        if len(requests) != 1:  # the model is not batched, so Triton hands over one request per call
+            raise ValueError(f"{GENERATE_MODEL} takes one request per call; got {len(requests)}")
+        try:
+            request = self.stack_request(requests[0])
+        except ValueError:
+            self.stack.metrics.rejected.labels(frontend="triton").inc()
+            raise
+        async for out in self.stack.stream(request, frontend="triton"):
+            if out.finish_reason == FinishReason.ERROR:
+                raise ValueError(out.error or "the request failed")
+            stats = out.stats
+            yield [{
+                "output_ids": np.asarray(out.token_ids, dtype=np.int32),
+                "text_output": np.array([out.text.encode()], dtype=np.object_),
+                "finish_reason": np.array([out.finish_reason.value.encode() if out.finished else b""], dtype=np.object_),
+                "steps": np.array([stats.steps if stats else 0], dtype=np.int32),
+                "accepted_tokens": np.array([stats.accepted if stats else 0], dtype=np.int32),
+                "tokens_per_step": np.array([stats.tokens_per_step if stats else 0.0], dtype=np.float32),
+            }]
+
+    def stack_request(self, req):
+        limit = self.stack.config.max_body_bytes
+        text = _scalar(req, "text_input")
+        ids = req.data.get("input_ids")
+        if (text is None) == (ids is None):
+            raise ValueError("send exactly one of text_input (BYTES[1]) or input_ids (INT32[-1])")
+        if text is not None:
+            if len(text) > limit:
+                raise ValueError(f"text_input has {len(text)} bytes; the limit is {limit} (--max-body-bytes)")
+            try:
+                text = text.decode("utf-8")
+            except UnicodeDecodeError:
+                raise ValueError("text_input must be UTF-8 text") from None
+        elif ids.ndim != 1:
+            raise ValueError(f"input_ids must be 1-D INT32[-1]; got shape {list(ids.shape)}")
+        stop = req.data.get("stop")
+        stops = [] if stop is None else [s.decode("utf-8", "replace") if isinstance(s, bytes) else str(s)
+                                         for s in stop.reshape(-1)]
+        tpot_ms = _scalar(req, "tpot_ms")
+        seed = _scalar(req, "seed")
+        return self.stack.make_request(
+            text=text, prompt_ids=None if ids is None else ids,
+            max_tokens=_as_int(_scalar(req, "max_tokens", 16)),
+            temperature=float(_scalar(req, "temperature", 0.0)),
+            top_p=float(_scalar(req, "top_p", 1.0)),
+            top_k=_as_int(_scalar(req, "top_k", 0)),
+            seed=None if seed is None else _as_int(seed),
+            stop=stops,
+            tpot_s=None if tpot_ms is None or float(tpot_ms) <= 0 else float(tpot_ms) / 1e3,
+            ignore_eos=bool(_scalar(req, "ignore_eos", False)),
+        )
+
+
+class DraftModel:
+    """The `retrospec_draft` inference callable."""
+
+    def __init__(self, service: DraftService) -> None:
+        self.service = service
+
+    async def __call__(self, requests):
+        responses = []
+        for req in requests:
+            rid = _scalar(req, "request_id")
+            if rid is None:
+                raise ValueError("request_id (BYTES[1]) is required")
+            ids = req.data.get("input_ids")
+            tree = self.service.draft(rid.decode("utf-8", "replace") if isinstance(rid, bytes) else str(rid),
+                                      np.zeros(0, np.int32) if ids is None else ids.reshape(-1),
+                                      budget=_as_int(_scalar(req, "budget", 16)),
+                                      end=bool(_scalar(req, "end", False)))
+            responses.append({
+                "draft_tokens": tree.tokens.astype(np.int32), "draft_parents": tree.parents.astype(np.int32),
+                "draft_probs": tree.probs.astype(np.float32), "best_path": tree.best_path().tokens.astype(np.int32),
+            })
+        return responses
+
+
+def _scalar(req, name: str, default=None):
+    value = req.data.get(name)
+    if value is None:
+        return default
+    if value.size != 1:
+        raise ValueError(f"input {name} must hold exactly one value; got shape {list(value.shape)}")
+    return value.reshape(-1)[0]
+
+
+def _as_int(value) -> int:
+    if isinstance(value, (np.floating, float)):
+        raise ValueError(f"expected an integer; got {value!r}")
+    return int(value)
+
+
+def start_triton(stack: ServingStack, *, ports: TritonPorts = TritonPorts(), address: str = "127.0.0.1",
+                 verbose: bool = False):
+    """Start tritonserver (a subprocess) serving both models; returns the `pytriton.triton.Triton` (call `.stop()`).
+    The generate model shares `stack`'s runner; the draft model gets its own drafter over the same datastores."""
+    ensure_libpython_on_ld_path()
+    from pytriton.model_config import ModelConfig, Tensor
+    from pytriton.triton import Triton, TritonConfig
+
+    config = TritonConfig(http_address=address, http_port=ports.http, grpc_address=address, grpc_port=ports.grpc,
+                          metrics_address=address, metrics_port=ports.metrics, exit_timeout_secs=10,
+                          log_verbose=1 if verbose else None)
+    triton = Triton(config=config)
+    try:
+        triton.bind(
+            model_name=GENERATE_MODEL, infer_func=GenerateModel(stack),
+            inputs=[
+                Tensor(name="text_input", dtype=bytes, shape=(1,), optional=True),
+                Tensor(name="input_ids", dtype=np.int32, shape=(-1,), optional=True),
+                Tensor(name="max_tokens", dtype=np.int32, shape=(1,), optional=True),
+                Tensor(name="temperature", dtype=np.float32, shape=(1,), optional=True),
+                Tensor(name="top_p", dtype=np.float32, shape=(1,), optional=True),
+                Tensor(name="top_k", dtype=np.int32, shape=(1,), optional=True),
+                Tensor(name="seed", dtype=np.int64, shape=(1,), optional=True),
+                Tensor(name="stop", dtype=bytes, shape=(-1,), optional=True),
+                Tensor(name="tpot_ms", dtype=np.float32, shape=(1,), optional=True),
+                Tensor(name="ignore_eos", dtype=np.bool_, shape=(1,), optional=True),
+            ],
+            outputs=[
+                Tensor(name="output_ids", dtype=np.int32, shape=(-1,)),
+                Tensor(name="text_output", dtype=bytes, shape=(1,)),
+                Tensor(name="finish_reason", dtype=bytes, shape=(1,)),
+                Tensor(name="steps", dtype=np.int32, shape=(1,)),
+                Tensor(name="accepted_tokens", dtype=np.int32, shape=(1,)),
+                Tensor(name="tokens_per_step", dtype=np.float32, shape=(1,)),
+            ],
+            config=ModelConfig(batching=False, decoupled=True),
+            strict=True,
+        )
+        service = DraftService(make_drafter(stack.config), idle_timeout_s=stack.config.draft_idle_timeout_s,
+                               vocab_size=stack.engine.vocab_size)
+        triton.bind(
+            model_name=DRAFT_MODEL, infer_func=DraftModel(service),
+            inputs=[
+                Tensor(name="request_id", dtype=bytes, shape=(1,)),
+                Tensor(name="input_ids", dtype=np.int32, shape=(-1,), optional=True),
+                Tensor(name="budget", dtype=np.int32, shape=(1,), optional=True),
+                Tensor(name="end", dtype=np.bool_, shape=(1,), optional=True),
+            ],
+            outputs=[
+                Tensor(name="draft_tokens", dtype=np.int32, shape=(-1,)),
+                Tensor(name="draft_parents", dtype=np.int32, shape=(-1,)),
+                Tensor(name="draft_probs", dtype=np.float32, shape=(-1,)),
+                Tensor(name="best_path", dtype=np.int32, shape=(-1,)),
+            ],
+            config=ModelConfig(batching=False),
+            strict=True,
+        )
+        triton.draft_service = service  # for tests and operators: the live sessions
+        triton.run()
+    except BaseException:
+        triton.stop()
+        raise
+    return triton

@@ -1,0 +1,106 @@
+"""`retrospec serve --triton --http` as a real process: both front ends answer, and SIGTERM shuts down gracefully
+(the in-flight request finishes, the process exits 0, tritonserver goes away with it)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from trt_engines.prepare import default_model_dir, is_complete
+
+pytestmark = pytest.mark.skipif(not is_complete(default_model_dir()), reason="default model not prepared")
+
+
+def test_serve_both_front_ends_then_graceful_sigterm(tmp_path):
+    grpcclient = pytest.importorskip("tritonclient.grpc")
+    from tritonclient.utils import np_to_triton_dtype
+
+    from orchestrator.serving.triton_server import free_ports
+
+    http_port, t_http, t_grpc, t_metrics = free_ports(4)
+    log = open(tmp_path / "serve.log", "w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.cli", "serve", "--triton", "--http", "--http-port", str(http_port),
+         "--triton-http-port", str(t_http), "--triton-grpc-port", str(t_grpc), "--triton-metrics-port",
+         str(t_metrics), "--hardware", "nominal", "--no-fit", "--dtype", "float32", "--num-blocks", "96", "--max-context", "512",
+         "--datastore", str(tmp_path / "missing")],
+        stdout=log, stderr=subprocess.STDOUT)
+    try:
+        time.sleep(1)
+        # A missing datastore is a start-up error with a clear message, not a half-started server.
+        assert server.wait(120) != 0
+        assert "missing" in (tmp_path / "serve.log").read_text()
+        server = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator.cli", "serve", "--triton", "--http", "--http-port", str(http_port),
+             "--triton-http-port", str(t_http), "--triton-grpc-port", str(t_grpc), "--triton-metrics-port",
+             str(t_metrics), "--hardware", "nominal", "--no-fit", "--dtype", "float32", "--num-blocks", "96", "--max-context", "512"],
+            stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{http_port}"
+        deadline = time.monotonic() + 180
+        ready = False
+        while time.monotonic() < deadline and server.poll() is None and not ready:
+            try:
+                ready = httpx.get(url + "/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        assert ready, (tmp_path / "serve.log").read_text()[-3000:]
+
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{t_grpc}")
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not client.is_model_ready("retrospec_generate"):
+            time.sleep(0.5)
+        prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646]
+        via_http = httpx.post(url + "/v1/completions", timeout=120, json={
+            "model": "retrospec", "prompt": prompt, "max_tokens": 8, "temperature": 0}).json()
+        inputs = []
+        for name, array in (("input_ids", np.array(prompt, np.int32)), ("max_tokens", np.array([8], np.int32))):
+            inputs.append(grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype)))
+            inputs[-1].set_data_from_numpy(array)
+        results = []
+        client.start_stream(callback=lambda result, error: results.append((result, error)))
+        client.async_stream_infer("retrospec_generate", inputs)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (results and (results[-1][1] or
+                                                                results[-1][0].as_numpy("finish_reason")[0])):
+            time.sleep(0.1)
+        client.stop_stream()
+        client.close()
+        assert all(error is None for _, error in results)
+        via_triton = [t for result, _ in results for t in result.as_numpy("output_ids").tolist()]
+        assert via_triton == via_http["choices"][0]["token_ids"]  # one shared orchestrator, same greedy output
+
+        done: dict = {}
+
+        def inflight():
+            done["body"] = httpx.post(url + "/v1/completions", timeout=120, json={
+                "model": "retrospec", "prompt": prompt, "max_tokens": 40, "temperature": 0,
+                "ignore_eos": True}).json()
+
+        thread = threading.Thread(target=inflight)
+        thread.start()
+        metrics = ""
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and "retrospec_running_requests 1.0" not in metrics:
+            metrics = httpx.get(url + "/metrics", timeout=10).text
+            time.sleep(0.2)
+        server.send_signal(signal.SIGTERM)
+        thread.join(120)
+        assert server.wait(120) == 0
+        body = done["body"]
+        assert body["choices"][0]["finish_reason"] == "length" and len(body["choices"][0]["token_ids"]) == 40, body
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(30)
+        log.close()
+    leftover = subprocess.run(["pgrep", "-f", f"--grpc-port={t_grpc}"], capture_output=True, text=True).stdout
+    assert not leftover.strip(), "tritonserver outlived the serve process"
+    assert json.dumps(body)  # the completed response was well-formed JSON

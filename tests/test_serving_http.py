@@ -1,0 +1,212 @@
+"""The OpenAI-compatible HTTP API against a real uvicorn server on 127.0.0.1, the real default model (fp32), a real
+datastore and the real drafter. Greedy references come from plain greedy decoding (`spec_loop.generate`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sysconfig
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from trt_engines.prepare import default_model_dir, is_complete
+
+pytestmark = pytest.mark.skipif(not is_complete(default_model_dir()), reason="default model not prepared")
+
+PROMPTS = [
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "import os\nimport sys\n\n\ndef main(argv):\n",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+    "Hello! How are you today?",
+    "for i in range(10):\n    for j in range(10):\n",
+]
+MAX_TOKENS = 16
+
+
+def build_test_datastore(out: Path) -> str:
+    from tokenizers import Tokenizer
+
+    from datastore import build_from_token_docs
+
+    tokenizer = Tokenizer.from_file(str(default_model_dir() / "tokenizer.json"))
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts = [(stdlib / name).read_text() for name in ("functools.py", "contextlib.py", "textwrap.py", "fnmatch.py")]
+    docs = [np.asarray(e.ids, np.int32) for e in tokenizer.encode_batch(texts)]
+    return str(build_from_token_docs(docs, out, vocab_size=tokenizer.get_vocab_size(), tokenizer_id="test"))
+
+
+def wait_until(condition, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from orchestrator.serving.http_api import serve_http
+    from orchestrator.serving.stack import ServingConfig, ServingStack
+    from orchestrator.serving.triton_server import free_ports
+    from orchestrator.spec_loop import generate
+
+    ds = build_test_datastore(tmp_path_factory.mktemp("ds") / "code")
+    config = ServingConfig(dtype="float32", num_blocks=320, max_context=512, datastores=(ds,), hardware="nominal",
+                           fit_step_model=False, max_body_bytes=64 * 1024)
+    stack = ServingStack.build(config)
+    prompts = [stack.encode(p) for p in PROMPTS]
+    reference, _ = generate(stack.engine, prompts, max_new_tokens=MAX_TOKENS, id_prefix="ref")  # runner is idle
+    port = free_ports(1)[0]
+    uv = serve_http(stack, port=port)
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    try:
+        assert wait_until(lambda: uv.started, 30), "uvicorn did not start"
+        yield {"url": f"http://127.0.0.1:{port}", "stack": stack, "prompts": prompts, "reference": reference}
+    finally:
+        stack.shutdown(cancel_inflight=True, timeout=30)
+        uv.should_exit = True
+        thread.join(30)
+
+
+def completion(prompt, **extra) -> dict:
+    return {"model": "retrospec", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, **extra}
+
+
+def test_models_health_completions_chat_and_metrics(server):
+    url, stack = server["url"], server["stack"]
+    with httpx.Client(base_url=url, timeout=60) as client:
+        assert client.get("/health").json() == {"status": "ok"}
+        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["retrospec"]
+        body = client.post("/v1/completions", json=completion(server["prompts"][0])).json()
+        choice = body["choices"][0]
+        assert choice["token_ids"] == server["reference"][0]
+        assert choice["text"] == stack.tokenizer.decode(server["reference"][0])
+        assert body["usage"]["completion_tokens"] == len(server["reference"][0])
+        assert body["retrospec"]["steps"] >= 1
+        text_body = client.post("/v1/completions", json=completion(PROMPTS[0])).json()  # text prompt, same ids
+        assert text_body["choices"][0]["token_ids"] == server["reference"][0]
+        chat = client.post("/v1/chat/completions", json={
+            "model": "retrospec", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 8,
+            "temperature": 0}).json()
+        rendered = stack.render_chat([{"role": "user", "content": "Say hi."}])
+        assert "Say hi." in rendered and rendered != "Say hi."  # the template wrapped the message
+        assert chat["object"] == "chat.completion" and chat["choices"][0]["message"]["role"] == "assistant"
+        assert chat["usage"]["prompt_tokens"] == len(stack.encode(rendered))
+        metrics = client.get("/metrics").text
+    assert 'retrospec_requests_total{finish_reason="length",frontend="http"}' in metrics or \
+           'retrospec_requests_total{finish_reason="stop",frontend="http"}' in metrics
+    for name in ("retrospec_generation_tokens_total", "retrospec_draft_nodes_total", "retrospec_accepted_tokens_total",
+                 "retrospec_draft_seconds_count", "retrospec_verify_seconds_count", "retrospec_step_nodes_count",
+                 "retrospec_drafter_fallbacks_total"):
+        assert name in metrics
+
+
+BAD = [
+    ("malformed json", b"{not json", 400, "not valid JSON"),
+    ("empty prompt", completion(""), 400, "prompt is empty"),
+    ("negative max_tokens", completion("hi", max_tokens=-3), 400, "max_tokens"),
+    ("huge max_tokens", completion("hi", max_tokens=10**9), 400, "max_tokens"),
+    ("prompt longer than context", completion([5] * 600), 400, "context"),
+    ("bad temperature", completion("hi", temperature=-1), 400, "temperature"),
+    ("bad top_p", completion("hi", top_p=2.0), 400, "top_p"),
+    ("token id out of vocab", completion([1, 10**7]), 400, "token ids"),
+    ("unknown model", completion("hi", model="gpt-4"), 404, "does not exist"),
+    ("oversized body", completion("x" * 100_000), 413, "limit"),
+    ("unknown field", completion("hi", frobnicate=1), 400, "unknown field"),
+    ("chat without messages", {"model": "retrospec", "messages": []}, 400, "messages"),
+]
+
+
+@pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
+def test_bad_input_gets_a_clear_4xx_and_the_server_keeps_serving(server, case):
+    _, payload, status, needle = case
+    path = "/v1/chat/completions" if "messages" in (payload if isinstance(payload, dict) else {}) else "/v1/completions"
+    with httpx.Client(base_url=server["url"], timeout=60) as client:
+        content = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        response = client.post(path, content=content, headers={"content-type": "application/json"})
+        assert response.status_code == status
+        error = response.json()["error"]
+        assert needle.lower() in error["message"].lower() and error["type"]
+        good = client.post("/v1/completions", json=completion(server["prompts"][1]))
+        assert good.status_code == 200 and good.json()["choices"][0]["token_ids"] == server["reference"][1]
+    stack = server["stack"]
+    assert wait_until(lambda: stack.engine.free_blocks() == stack.engine.total_blocks())
+
+
+def test_client_disconnect_mid_stream_cancels_and_frees_kv(server):
+    stack = server["stack"]
+    with httpx.Client(base_url=server["url"], timeout=60) as client:
+        with client.stream("POST", "/v1/completions", json=completion(server["prompts"][2], max_tokens=400,
+                                                                        ignore_eos=True, stream=True)) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert json.loads(first[6:])["choices"][0]["token_ids"]
+            assert stack.engine.free_blocks() < stack.engine.total_blocks()  # the request holds KV now
+        # leaving the block closed the connection mid-stream
+    assert wait_until(lambda: stack.orchestrator.idle and stack.engine.free_blocks() == stack.engine.total_blocks())
+    metrics = httpx.get(server["url"] + "/metrics").text
+    assert 'retrospec_requests_total{finish_reason="cancelled",frontend="http"}' in metrics
+
+
+async def _stream_one(client: httpx.AsyncClient, prompt: list[int]) -> tuple[list[int], str]:
+    tokens: list[int] = []
+    finish = None
+    async with client.stream("POST", "/v1/completions", json=completion(prompt, stream=True)) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            tokens += chunk["choices"][0]["token_ids"]
+            finish = chunk["choices"][0]["finish_reason"] or finish
+    return tokens, finish
+
+
+def test_load_32_concurrent_streams_are_exact_and_leak_nothing(server):
+    stack, prompts, reference = server["stack"], server["prompts"], server["reference"]
+    jobs = [i % len(prompts) for i in range(32)]
+
+    async def run():
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(base_url=server["url"], timeout=120, limits=limits) as client:
+            return await asyncio.gather(*(_stream_one(client, prompts[j]) for j in jobs), return_exceptions=True)
+
+    results = asyncio.run(asyncio.wait_for(run(), 240))
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert not errors
+    assert [tokens for tokens, _ in results] == [reference[j] for j in jobs]
+    assert all(finish in ("stop", "length") for _, finish in results)
+    assert max(r.batch for r in stack.orchestrator.records) > 8  # the clients really were batched together
+    assert wait_until(lambda: stack.engine.free_blocks() == stack.engine.total_blocks())
+
+
+def test_graceful_shutdown_finishes_inflight_and_refuses_new(server):
+    stack = server["stack"]
+    done: dict = {}
+
+    def long_request():
+        with httpx.Client(base_url=server["url"], timeout=120) as client:
+            done["response"] = client.post("/v1/completions", json=completion(server["prompts"][3], max_tokens=48,
+                                                                               ignore_eos=True))
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    assert wait_until(lambda: len(stack.orchestrator.running) == 1, 30)
+    stack.shutdown(cancel_inflight=False, timeout=120)  # returns when the in-flight request has finished
+    thread.join(60)
+    body = done["response"].json()
+    assert body["choices"][0]["finish_reason"] == "length" and len(body["choices"][0]["token_ids"]) == 48
+    refused = httpx.post(server["url"] + "/v1/completions", json=completion("hi"), timeout=30)
+    assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+    assert httpx.get(server["url"] + "/health").status_code == 503
+    assert stack.engine.free_blocks() == stack.engine.total_blocks()

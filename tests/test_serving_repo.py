@@ -1,0 +1,123 @@
+"""`retrospec export-triton-repo`: the files render, the model.py files compile, and the configuration round-trips."""
+
+from __future__ import annotations
+
+import json
+import py_compile
+import re
+
+import pytest
+
+from orchestrator.cli import main as cli_main
+from orchestrator.serving.stack import ServingConfig
+from orchestrator.serving.triton_repo import DRAFT_INPUTS, DRAFT_OUTPUTS, GENERATE_INPUTS, GENERATE_OUTPUTS
+from trt_engines.prepare import default_model_dir, is_complete
+
+
+def _parameters(pbtxt: str) -> dict[str, str]:
+    return {k: json.loads(v) for k, v in re.findall(r'parameters \{ key: "(\w+)" value: \{ string_value: (".*") \} \}',
+                                                    pbtxt)}
+
+
+def test_export_writes_a_complete_repository_that_compiles(tmp_path, capsys):
+    assert cli_main(["export-triton-repo", str(tmp_path / "repo"), "--policy", "fixed:8", "--num-blocks", "64",
+                     "--hardware", "nominal", "--no-fit", "--datastore", "/data/ds"]) == 0
+    printed = capsys.readouterr().out.split()
+    repo = tmp_path / "repo"
+    for name, inputs, outputs, decoupled in (("retrospec_generate", GENERATE_INPUTS, GENERATE_OUTPUTS, True),
+                                             ("retrospec_draft", DRAFT_INPUTS, DRAFT_OUTPUTS, False)):
+        config = (repo / name / "config.pbtxt").read_text()
+        assert f'name: "{name}"' in config and 'backend: "python"' in config
+        assert ("decoupled: true" in config) == decoupled
+        for tensor in [i[0] for i in inputs] + [o[0] for o in outputs]:
+            assert f'name: "{tensor}"' in config
+        assert config.count("{") == config.count("}")
+        params = _parameters(config)
+        serving = ServingConfig(**json.loads(params["serving_config"]))
+        assert (serving.policy, serving.num_blocks, tuple(serving.datastores)) == ("fixed:8", 64, ("/data/ds",))
+        assert any((p.rstrip("/") + "/orchestrator").endswith("orchestrator") for p in json.loads(params["python_path"]))
+        model = repo / name / "1" / "model.py"
+        py_compile.compile(str(model), doraise=True)
+        assert str(model) in printed and "class TritonPythonModel" in model.read_text()
+
+
+def test_export_rejects_a_bad_policy_with_a_clear_message(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        cli_main(["export-triton-repo", str(tmp_path / "repo"), "--policy", "fast"])
+    assert "unknown budget policy" in capsys.readouterr().err
+    assert not (tmp_path / "repo").exists()
+
+
+@pytest.mark.skipif(not is_complete(default_model_dir()), reason="default model not prepared")
+def test_exported_repository_serves_in_the_bundled_stock_tritonserver(tmp_path):
+    """The exported model.py files load in a plain tritonserver (not pytriton) and answer both models."""
+    import queue
+    import subprocess
+    import time
+
+    import numpy as np
+
+    grpcclient = pytest.importorskip("tritonclient.grpc")
+    from tritonclient.utils import np_to_triton_dtype
+
+    from orchestrator.serving.triton_repo import bundled_tritonserver, export_repository
+    from orchestrator.serving.triton_server import free_ports
+    from orchestrator.spec_loop import generate
+    from trt_engines.torch_engine import TorchEngine
+
+    config = ServingConfig(dtype="float32", num_blocks=64, max_context=256, datastores=(), hardware="nominal", fit_step_model=False,
+                           max_running=4, torch_threads=1)
+    export_repository(tmp_path / "repo", config)
+    http, grpc, metrics = free_ports(3)
+    argv, env = bundled_tritonserver(tmp_path / "work", tmp_path / "repo", http_port=http, grpc_port=grpc,
+                                     metrics_port=metrics)
+    log = open(tmp_path / "tritonserver.log", "w")
+    server = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc}")
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and server.poll() is None:
+            try:
+                if client.is_model_ready("retrospec_generate") and client.is_model_ready("retrospec_draft"):
+                    break
+            except Exception:  # noqa: BLE001 - not up yet
+                pass
+            time.sleep(0.5)
+        assert server.poll() is None and client.is_model_ready("retrospec_generate"), \
+            (tmp_path / "tritonserver.log").read_text()[-3000:]
+
+        def tensor(name, array):
+            t = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+            t.set_data_from_numpy(array)
+            return t
+
+        prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646]
+        engine = TorchEngine("default", dtype=__import__("torch").float32, num_blocks=16, max_context=256)
+        reference = generate(engine, [prompt], max_new_tokens=8)[0][0]
+        results: queue.Queue = queue.Queue()
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        client.async_stream_infer("retrospec_generate", [tensor("input_ids", np.array(prompt, np.int32)),
+                                                         tensor("max_tokens", np.array([8], np.int32))])
+        tokens, finish = [], ""
+        while not finish:
+            result, error = results.get(timeout=120)
+            assert error is None, str(error)
+            tokens += result.as_numpy("output_ids").tolist()
+            finish = result.as_numpy("finish_reason")[0].decode()
+        client.async_stream_infer("retrospec_generate", [tensor("input_ids", np.array([], np.int32).reshape(0))])
+        _, error = results.get(timeout=60)
+        assert error is not None and "empty" in str(error)
+        client.stop_stream()
+        assert tokens == reference
+        draft = client.infer("retrospec_draft", [tensor("request_id", np.array([b"r"], np.object_)),
+                                                 tensor("input_ids", np.array(prompt * 3, np.int32)),
+                                                 tensor("budget", np.array([8], np.int32))])
+        assert len(draft.as_numpy("draft_tokens")) == len(draft.as_numpy("draft_parents"))
+        client.close()
+    finally:
+        server.terminate()
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()

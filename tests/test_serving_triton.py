@@ -1,0 +1,219 @@
+"""The Triton front end against a real tritonserver (pytriton's bundle) on 127.0.0.1: the decoupled generate model
+over gRPC streaming and the drafting service over HTTP, with bad input, load and KV-leak checks."""
+
+from __future__ import annotations
+
+import os
+import queue
+import sysconfig
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from tests.test_serving_http import MAX_TOKENS, PROMPTS, build_test_datastore, wait_until
+from trt_engines.prepare import default_model_dir, is_complete
+
+pytestmark = pytest.mark.skipif(not is_complete(default_model_dir()), reason="default model not prepared")
+grpcclient = pytest.importorskip("tritonclient.grpc")
+httpclient = pytest.importorskip("tritonclient.http")
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from orchestrator.serving.stack import ServingConfig, ServingStack
+    from orchestrator.serving.triton_server import TritonPorts, start_triton
+    from orchestrator.spec_loop import generate
+
+    ds = build_test_datastore(tmp_path_factory.mktemp("ds") / "code")
+    config = ServingConfig(dtype="float32", num_blocks=320, max_context=512, datastores=(ds,), hardware="nominal",
+                           fit_step_model=False, max_body_bytes=64 * 1024, draft_idle_timeout_s=2.0)
+    stack = ServingStack.build(config)
+    prompts = [stack.encode(p) for p in PROMPTS]
+    reference, _ = generate(stack.engine, prompts, max_new_tokens=MAX_TOKENS, id_prefix="ref")
+    ports = TritonPorts.free()
+    triton = start_triton(stack, ports=ports)  # sets LD_LIBRARY_PATH for the tritonserver subprocess itself
+    try:
+        yield {"stack": stack, "ports": ports, "triton": triton, "prompts": prompts, "reference": reference,
+               "datastore": ds}
+    finally:
+        stack.shutdown(cancel_inflight=True, timeout=30)
+        triton.stop()
+
+
+def tensor(module, name: str, array: np.ndarray):
+    t = module.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+    t.set_data_from_numpy(array)
+    return t
+
+
+def stream_generate(url: str, inputs: dict[str, np.ndarray], *, timeout: float = 120) -> dict:
+    """One request over a gRPC stream; returns tokens, text, finish reason and the last statistics (or the error)."""
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        client.async_stream_infer("retrospec_generate", [tensor(grpcclient, k, v) for k, v in inputs.items()])
+        out = {"tokens": [], "text": "", "finish": "", "error": None}
+        deadline = time.monotonic() + timeout
+        while not out["finish"]:
+            result, error = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            if error is not None:
+                out["error"] = error
+                break
+            out["tokens"] += result.as_numpy("output_ids").tolist()
+            out["text"] += result.as_numpy("text_output")[0].decode()
+            out["finish"] = result.as_numpy("finish_reason")[0].decode()
+            out["steps"] = int(result.as_numpy("steps")[0])
+            out["accepted"] = int(result.as_numpy("accepted_tokens")[0])
+            out["tokens_per_step"] = float(result.as_numpy("tokens_per_step")[0])
+        return out
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def grpc_url(server) -> str:
+    return f"127.0.0.1:{server['ports'].grpc}"
+
+
+def test_launcher_put_libpython_on_the_library_path(server):
+    assert sysconfig.get_config_var("LIBDIR") in os.environ["LD_LIBRARY_PATH"].split(":")
+
+
+def test_generate_streams_greedy_output_with_statistics(server):
+    stack = server["stack"]
+    ids = np.asarray(server["prompts"][0], np.int32)
+    out = stream_generate(grpc_url(server), {"input_ids": ids, "max_tokens": np.array([MAX_TOKENS], np.int32)})
+    assert out["error"] is None and out["tokens"] == server["reference"][0]
+    assert out["text"] == stack.tokenizer.decode(server["reference"][0])
+    assert out["finish"] in ("stop", "length") and out["steps"] >= 1
+    assert out["tokens_per_step"] == pytest.approx((out["accepted"] + out["steps"]) / out["steps"])
+    by_text = stream_generate(grpc_url(server), {"text_input": np.array([PROMPTS[0].encode()], np.object_),
+                                                 "max_tokens": np.array([MAX_TOKENS], np.int32)})
+    assert by_text["tokens"] == server["reference"][0]
+
+
+def test_draft_service_matches_a_fresh_drafter_and_releases_state(server):
+    from orchestrator.serving.stack import make_drafter
+
+    url = f"127.0.0.1:{server['ports'].http}"
+    client = httpclient.InferenceServerClient(url)
+    service = server["triton"].draft_service
+    local = make_drafter(server["stack"].config)  # the same calls on a fresh drafter give the reference trees
+    prompt = np.asarray(server["stack"].encode("def wraps(wrapped, assigned=WRAPPER_ASSIGNMENTS,"), np.int32)
+
+    def call(rid, ids, budget=16, end=None):
+        inputs = [tensor(httpclient, "request_id", np.array([rid.encode()], np.object_)),
+                  tensor(httpclient, "input_ids", np.asarray(ids, np.int32)),
+                  tensor(httpclient, "budget", np.array([budget], np.int32))]
+        if end is not None:
+            inputs.append(tensor(httpclient, "end", np.array([end], np.bool_)))
+        r = client.infer("retrospec_draft", inputs)
+        return {k: r.as_numpy(k) for k in ("draft_tokens", "draft_parents", "draft_probs", "best_path")}
+
+    try:
+        first = call("c1", prompt)
+        local.start_request("c1", prompt)
+        expected = local.draft([("c1", 16)])[0]
+        assert len(first["draft_tokens"]) > 0
+        np.testing.assert_array_equal(first["draft_tokens"], expected.tokens)
+        np.testing.assert_array_equal(first["draft_parents"], expected.parents)
+        np.testing.assert_allclose(first["draft_probs"], expected.probs)
+        np.testing.assert_array_equal(first["best_path"], expected.best_path().tokens)
+        accepted = first["best_path"][:2]
+        second = call("c1", accepted)
+        local.extend("c1", accepted)
+        np.testing.assert_array_equal(second["draft_tokens"], local.draft([("c1", 16)])[0].tokens)
+        assert "c1" in service.active
+        call("c1", np.zeros(0, np.int32), end=True)
+        assert "c1" not in service.active
+        call("idle", prompt)
+        time.sleep(2.5)  # longer than draft_idle_timeout_s
+        call("other", prompt)
+        assert "idle" not in service.active and "other" in service.active
+        with pytest.raises(InferenceServerException, match="budget"):
+            call("c2", prompt, budget=10_000)
+        with pytest.raises(InferenceServerException, match="first call"):
+            call("c3", np.zeros(0, np.int32))
+    finally:
+        client.close()
+
+
+def _bad_cases(server):
+    ids = np.asarray(server["prompts"][1], np.int32)
+    good = {"input_ids": ids, "max_tokens": np.array([4], np.int32)}
+    return [
+        ("wrong dtype", {"input_ids": ids.astype(np.float32)}, "input_ids"),
+        ("wrong shape", {**good, "max_tokens": np.array([4, 5], np.int32)}, "max_tokens"),
+        ("no prompt", {"max_tokens": np.array([4], np.int32)}, "text_input"),
+        ("empty prompt", {"text_input": np.array([b""], np.object_)}, "empty"),
+        ("negative max_tokens", {**good, "max_tokens": np.array([-2], np.int32)}, "max_tokens"),
+        ("huge max_tokens", {**good, "max_tokens": np.array([2**30], np.int32)}, "max_tokens"),
+        ("prompt longer than context", {"input_ids": np.full(600, 5, np.int32)}, "context"),
+        ("token id out of vocab", {"input_ids": np.array([1, 10**7], np.int32)}, "token ids"),
+        ("bad temperature", {**good, "temperature": np.array([-1.0], np.float32)}, "temperature"),
+        ("bad top_p", {**good, "top_p": np.array([3.0], np.float32)}, "top_p"),
+        ("oversized text", {"text_input": np.array([b"x" * 100_000], np.object_)}, "limit"),
+    ]
+
+
+def test_bad_input_gets_a_clear_error_and_the_server_keeps_serving(server):
+    url = grpc_url(server)
+    for name, inputs, needle in _bad_cases(server):
+        out = stream_generate(url, inputs)
+        assert out["error"] is not None, name
+        assert needle.lower() in str(out["error"]).lower(), (name, str(out["error"]))
+    client = grpcclient.InferenceServerClient(url)
+    with pytest.raises(InferenceServerException, match="unknown_model|not found|unavailable"):
+        client.infer("unknown_model", [tensor(grpcclient, "input_ids", np.array([1, 2], np.int32))])
+    client.close()
+    good = stream_generate(url, {"input_ids": np.asarray(server["prompts"][1], np.int32),
+                                 "max_tokens": np.array([MAX_TOKENS], np.int32)})
+    assert good["tokens"] == server["reference"][1]
+    stack = server["stack"]
+    assert wait_until(lambda: stack.engine.free_blocks() == stack.engine.total_blocks())
+
+
+def test_load_32_concurrent_grpc_streams_are_exact_and_leak_nothing(server):
+    stack, prompts, reference = server["stack"], server["prompts"], server["reference"]
+    jobs = [i % len(prompts) for i in range(32)]
+    results: list = [None] * len(jobs)
+    barrier = threading.Barrier(len(jobs))
+
+    def client(i: int) -> None:
+        barrier.wait(60)
+        try:
+            results[i] = stream_generate(grpc_url(server), {"input_ids": np.asarray(prompts[jobs[i]], np.int32),
+                                                            "max_tokens": np.array([MAX_TOKENS], np.int32)}, timeout=240)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            results[i] = {"error": exc, "tokens": None}
+
+    steps_before = len(stack.orchestrator.records)
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert [r["error"] for r in results] == [None] * len(jobs)
+    assert [r["tokens"] for r in results] == [reference[j] for j in jobs]
+    assert max(r.batch for r in list(stack.orchestrator.records)[steps_before:]) > 8
+    assert wait_until(lambda: stack.engine.free_blocks() == stack.engine.total_blocks())
+
+
+@pytest.mark.parametrize("script", ["triton_grpc_stream.py", "triton_http_client.py"])
+def test_client_examples_run_against_the_server(server, script):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    port = server["ports"].grpc if "grpc" in script else server["ports"].http
+    example = Path(__file__).resolve().parents[1] / "examples" / script
+    run = subprocess.run([sys.executable, str(example), "--url", f"127.0.0.1:{port}", "--max-tokens", "8"],
+                         capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "[length]" in run.stdout or "[stop]" in run.stdout
+    if "http" in script:
+        assert "draft tree:" in run.stdout and "best path" in run.stdout
