@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.peers import AdedDrafter, PromptLookupDrafter, RestRulesDrafter
+from benchmarks.plotting import panels_by_set
 from datastore import Datastore
 from datastore.paths import default_datastore_dir
 from drafter.drafter import Drafter, DrafterConfig
@@ -166,26 +167,8 @@ def write_markdown(path: Path, result: dict) -> None:
 
 
 def plot(path: Path, rows: list[dict]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    sets = sorted({r["set"] for r in rows}, key=lambda s: PROMPT_SETS.index(s))
-    fig, axes = plt.subplots(1, len(sets), figsize=(4.2 * len(sets), 3.6), squeeze=False)
-    for ax, s in zip(axes[0], sets):
-        for m in METHODS:
-            pts = sorted((r["budget"], r["tau"]) for r in rows if r["set"] == s and r["method"] == m)
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=m, linewidth=2 if m == "fused" else 1)
-        ax.set_xscale("log", base=2)
-        ax.set_title(s)
-        ax.set_xlabel("budget B (nodes)")
-        ax.set_ylabel("tau (tokens / step)")
-        ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    panels_by_set(path, rows, x="budget", y="tau", series_key="method", series=METHODS, highlight="fused",
+                  xlabel="budget B (nodes)", ylabel="tau (tokens / step)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks.plotting import panels_by_set
 from datastore import Datastore
 from datastore.paths import default_datastore_dir
 from drafter.drafter import Drafter, DrafterConfig
@@ -211,27 +212,8 @@ def write_markdown(path: Path, result: dict) -> None:
 
 
 def plot(path: Path, rows: list[dict]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    sets = sorted({r["set"] for r in rows}, key=lambda s: PROMPT_SETS.index(s))
-    fig, axes = plt.subplots(1, len(sets), figsize=(4.2 * len(sets), 3.6), squeeze=False)
-    for ax, s in zip(axes[0], sets):
-        for policy in POLICIES:
-            pts = sorted((r["cap"], r["speedup"]) for r in rows if r["set"] == s and r["policy"] == policy)
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=policy, linewidth=2 if policy == "goodput" else 1)
-        ax.axhline(1.0, color="grey", linewidth=0.8)
-        ax.set_xscale("log", base=2)
-        ax.set_title(s)
-        ax.set_xlabel("concurrency cap")
-        ax.set_ylabel("speedup over none")
-        ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    panels_by_set(path, rows, x="cap", y="speedup", series_key="policy", series=POLICIES, highlight="goodput",
+                  xlabel="concurrency cap", ylabel="speedup over none", baseline=1.0)
 
 
 def main(argv: list[str] | None = None) -> int:
