@@ -251,3 +251,10 @@ def continuations_batch_serial(tokens_tup, sa_tup, sep, q, q_off, k, length):
     for b in range(nb):
         _gather_one(tokens_tup, sa_tup, sep, q_off, b, lo, hi, take, length, rows, offsets[b])
     return counts, offsets, rows
+
+
+# Building blocks for numba kernels of other packages (the drafter's batched back-off lookup calls them from its own
+# compiled code, so a whole batch of lookups costs one Python call). Queries must be validated by the caller.
+ranges_one = _ranges_one
+split_k = _split_k
+gather_one = _gather_one

@@ -125,6 +125,11 @@ class Datastore:
         return (f"Datastore({str(self.path)!r}, tokens={self.num_tokens}, documents={self.num_documents}, "
                 f"shards={self.num_shards}, vocab={self.vocab_size})")
 
+    def kernel_arrays(self) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...], int]:
+        """(token arrays, suffix arrays, separator code), one entry per shard, zero-copy: for numba kernels of other
+        packages built on `datastore.kernels` (they must validate query ids against `vocab_size` themselves)."""
+        return self._tokens, self._sas, self._sep
+
     def documents(self) -> Iterator[np.ndarray]:
         """Every stored document as int32 token ids, shard by shard (for building peer indexes from the same text)."""
         enc = TokenEncoding.for_vocab(self.vocab_size)

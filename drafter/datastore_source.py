@@ -2,7 +2,8 @@
 
 Vocabulary
     prefix        the last q (= 4) tokens of a request's sequence.
-    round         one `continuations_batch` call for every request of the batch that still needs candidates.
+    round         one lookup of a (shorter) prefix; all rounds of all requests run in one compiled call
+                  (`backoff_rows`) that reuses the datastore's search kernels.
     back-off      (SSSD) after a round, a request whose merged trie holds fewer than `threshold` (50) continuations
                   and whose prefix is still longer than 1 token drops the prefix's FIRST token and is queried again;
                   the new continuations are ADDED to the same trie (counts summed). At most q rounds.
@@ -25,6 +26,8 @@ from dataclasses import dataclass
 import numba as nb
 import numpy as np
 
+from datastore.kernels import gather_one, ranges_one, split_k
+
 
 def sssd_branch_length(budget: int) -> int:
     """SSSD's `default_branch_func`: continuation length for a tree of s = budget + 1 nodes (root included)."""
@@ -38,6 +41,87 @@ def sssd_branch_length(budget: int) -> int:
     if s <= 48:
         return 8
     return 10
+
+
+@nb.njit(cache=True)
+def backoff_rows(tokens_tup, sa_tup, sep, P, plen, lengths, k, L, threshold):
+    """SSSD's back-off lookup for a whole batch against one datastore, in one compiled call.
+
+    Request b (skipped when lengths[b] == 0) queries its last plen[b] tokens (P[b, q - plen[b]:]), then ever shorter
+    suffixes: round r uses the last plen[b] - r tokens and runs only while rounds 0..r-1 gathered fewer than
+    `threshold` continuations. Each round samples at most k continuations of length L (datastore.kernels).
+    Returns (rows int32 [R, L] of the rounds that ran, request-major and rounds in order; owner int64 [R];
+    match_len int32 [B]: the longest suffix that returned anything; rounds int32 [B])."""
+    B, q = P.shape
+    nq = 0
+    ntok = 0
+    for b in range(B):
+        if lengths[b] > 0:
+            nq += plen[b]
+            ntok += plen[b] * (plen[b] + 1) // 2
+    qflat = np.empty(ntok, np.int64)
+    qoff = np.zeros(nq + 1, np.int64)
+    qreq = np.empty(nq, np.int64)
+    i = 0
+    t = 0
+    for b in range(B):
+        if lengths[b] <= 0:
+            continue
+        for r in range(plen[b]):
+            c = plen[b] - r
+            for j in range(c):
+                qflat[t] = P[b, q - c + j]
+                t += 1
+            qreq[i] = b
+            i += 1
+            qoff[i] = t
+    # Every round of every request is sampled first (cheap), and SSSD's stopping rule is applied afterwards: the
+    # rounds that run, and so the rows kept, are exactly those of querying round by round.
+    n_shards = len(tokens_tup)
+    lo = np.empty((nq, n_shards), np.int64)
+    hi = np.empty_like(lo)
+    take = np.empty_like(lo)
+    roff = np.zeros(nq + 1, np.int64)
+    for i in range(nq):
+        total = ranges_one(tokens_tup, sa_tup, qflat, qoff, i, lo, hi)
+        roff[i + 1] = roff[i] + split_k(lo, hi, i, k, total, take)
+    rows = np.empty((roff[nq], L), np.int32)
+    for i in range(nq):
+        gather_one(tokens_tup, sa_tup, sep, qoff, i, lo, hi, take, L, rows, roff[i])
+    keep = np.zeros(nq, np.bool_)
+    match_len = np.zeros(B, np.int32)
+    rounds = np.zeros(B, np.int32)
+    n_kept = 0
+    i = 0
+    for b in range(B):
+        if lengths[b] <= 0:
+            continue
+        gathered = 0
+        for r in range(plen[b]):
+            if r > 0 and gathered >= threshold:
+                break
+            qi = i + r
+            keep[qi] = True
+            rounds[b] += 1
+            got = 0
+            for row in range(roff[qi], roff[qi + 1]):
+                if rows[row, 0] >= 0:
+                    got += 1
+            if got > 0 and match_len[b] == 0:
+                match_len[b] = plen[b] - r
+            gathered += got
+            n_kept += roff[qi + 1] - roff[qi]
+        i += plen[b]
+    out = np.empty((n_kept, L), np.int32)
+    owner = np.empty(n_kept, np.int64)
+    o = 0
+    for qi in range(nq):
+        if keep[qi]:
+            for row in range(roff[qi], roff[qi + 1]):
+                out[o] = rows[row]
+                owner[o] = qreq[qi]
+                o += 1
+    return out, owner, match_len, rounds
 
 
 # Serial on purpose: the whole batch is tens of microseconds of work, less than one wake-up of numba's thread pool on
@@ -138,41 +222,17 @@ class DatastoreSource:
         rows_all, owner_all = [], []
         match_len = np.zeros((B, K), np.int32)
         rounds = np.zeros((B, K), np.int32)
-        active = np.nonzero((plen > 0) & (lengths > 0))[0]
-        # Every back-off round of every request in ONE datastore call: round j of request b queries its last
-        # plen[b] - j tokens. Which rounds SSSD would have run is decided afterwards from the per-round counts
-        # (round j runs while rounds 0..j-1 gathered fewer than `threshold` continuations), so the result is the
-        # same as querying round by round, without a Python round trip per round.
-        n_rounds = plen[active]
-        req = np.repeat(active, n_rounds)  # one entry per (request, round)
-        rnd = np.arange(req.size) - np.repeat(np.cumsum(n_rounds) - n_rounds, n_rounds)
-        c = plen[req] - rnd  # prefix length of that round
-        offsets = np.zeros(req.size + 1, np.int64)
-        np.cumsum(c, out=offsets[1:])
-        cols = np.arange(q)
-        flat = P[req][cols[None, :] >= (q - c)[:, None]]  # row-major: each prefix's tokens in order
         for k, ds in enumerate(self.datastores):
-            if req.size == 0:
-                break
-            res = _continuations(ds, flat, offsets, self.samples, L)
-            rows = np.asarray(res.rows, np.int32).reshape(-1, L)
-            per = np.diff(np.asarray(res.offsets, np.int64))
-            query_of_row = np.repeat(np.arange(req.size), per)
-            got = np.bincount(query_of_row, weights=rows[:, 0] >= 0, minlength=req.size)
-            before = np.cumsum(got) - got  # continuations gathered by earlier queries, across requests...
-            first_of_req = np.repeat(np.cumsum(n_rounds) - n_rounds, n_rounds)
-            before -= before[first_of_req]  # ...made per request
-            run = (rnd == 0) | (before < self.threshold)
-            keep = run[query_of_row]
-            rows_all.append(rows[keep])
-            owner_all.append(req[query_of_row[keep]] + k * B)
-            rounds[:, k] = np.bincount(req[run], minlength=B)
-            hit = run & (got > 0)
-            longest = np.zeros(B, np.int64)
-            np.maximum.at(longest, req[hit], c[hit])  # the longest prefix that returned anything
-            match_len[:, k] = longest
+            tokens, sas, sep = ds.kernel_arrays()
+            rows, owner, match_len[:, k], rounds[:, k] = backoff_rows(
+                tokens, sas, sep, P, plen, lengths, self.samples, L, self.threshold)
+            rows_all.append(rows)
+            owner_all.append(owner + k * B)
         G = B * K
-        if rows_all:
+        if len(rows_all) == 1:  # one datastore: rows already come grouped per request, rounds in order
+            rows, owner = rows_all[0], owner_all[0]
+            per_group = np.bincount(owner, minlength=G)
+        elif rows_all:
             rows = np.concatenate(rows_all)
             owner = np.concatenate(owner_all)
             order = np.argsort(owner, kind="stable")  # group rows per (datastore, request), rounds in order
@@ -198,10 +258,3 @@ class DatastoreSource:
             roots[cnt[roots] <= 0] = -1
         return DatastoreCandidates(tok=tok, cnt=cnt, first=first, sib=sib, roots=roots, match_len=match_len,
                                    rounds=rounds)
-
-
-def _continuations(ds, flat: np.ndarray, offsets: np.ndarray, k: int, length: int):
-    """One batched datastore query; prefers the flat entry point (no per-prefix Python work)."""
-    if hasattr(ds, "continuations_flat"):
-        return ds.continuations_flat(flat, offsets, k, length)
-    return ds.continuations_batch([flat[offsets[i] : offsets[i + 1]] for i in range(offsets.size - 1)], k, length)
