@@ -195,10 +195,7 @@ def write_markdown(path: Path, result: dict) -> None:
         "",
         f"Losslessness (fp32, {ident['prompts']} prompts x {ident['max_tokens']} tokens, every policy vs none): "
         f"{ident['identical']}/{ident['compared']} identical.",
-        f"bf16 divergences from `none`: {len(result['bf16_divergences'])}"
-        + (" (position, top-2 logit gap): " + ", ".join(
-            f"{d['set']}/{d['policy']}@{d['position']}: {d['top2_logit_gap']:.3f}" for d in result["bf16_divergences"])
-           if result["bf16_divergences"] else ""),
+        divergence_summary(result["bf16_divergences"]),
         f"Step-time model: median relative error {result['step_model_median_abs_err']:.3f} over every step "
         f"(start-up fit error {result['step_fit_error']:.3f}).",
         "",
@@ -209,6 +206,18 @@ def write_markdown(path: Path, result: dict) -> None:
         "```",
     ]
     path.write_text("\n".join(lines) + "\n")
+
+
+def divergence_summary(divergences: list[dict]) -> str:
+    """bf16 outputs may leave `none`'s only at near-ties: report how many did and the widest top-2 logit gap."""
+    if not divergences:
+        return "bf16: every policy's outputs equal `none`'s."
+    gaps = np.array([d["top2_logit_gap"] for d in divergences])
+    return (f"bf16: {len(divergences)} outputs diverge from `none`'s (of all non-`none` runs); at the first differing "
+            f"position the target's top-2 logits differ by at most {gaps.max():.3f} (median {np.median(gaps):.3f}, "
+            f"{np.mean(gaps == 0):.0%} exact ties): near-ties at bf16 precision (logits of magnitude 16-128 are "
+            "0.125-0.5 apart in bf16), where verifying more tokens in one batch rounds differently and can flip the "
+            "argmax. The fp32 run above is the losslessness check. Full list in the JSON.")
 
 
 def plot(path: Path, rows: list[dict]) -> None:
