@@ -50,49 +50,24 @@ def backoff_rows(tokens_tup, sa_tup, sep, P, plen, lengths, k, L, threshold):
     Request b (skipped when lengths[b] == 0) queries its last plen[b] tokens (P[b, q - plen[b]:]), then ever shorter
     suffixes: round r uses the last plen[b] - r tokens and runs only while rounds 0..r-1 gathered fewer than
     `threshold` continuations. Each round samples at most k continuations of length L (datastore.kernels).
-    Returns (rows int32 [R, L] of the rounds that ran, request-major and rounds in order; owner int64 [R];
-    match_len int32 [B]: the longest suffix that returned anything; rounds int32 [B])."""
+    Returns (rows int32 [R, L], request-major and rounds in order; owner int64 [R]; match_len int32 [B]: the
+    longest suffix that returned anything; rounds int32 [B])."""
     B, q = P.shape
-    nq = 0
-    ntok = 0
+    n_queries = 0
     for b in range(B):
         if lengths[b] > 0:
-            nq += plen[b]
-            ntok += plen[b] * (plen[b] + 1) // 2
-    qflat = np.empty(ntok, np.int64)
-    qoff = np.zeros(nq + 1, np.int64)
-    qreq = np.empty(nq, np.int64)
-    i = 0
-    t = 0
-    for b in range(B):
-        if lengths[b] <= 0:
-            continue
-        for r in range(plen[b]):
-            c = plen[b] - r
-            for j in range(c):
-                qflat[t] = P[b, q - c + j]
-                t += 1
-            qreq[i] = b
-            i += 1
-            qoff[i] = t
-    # Every round of every request is sampled first (cheap), and SSSD's stopping rule is applied afterwards: the
-    # rounds that run, and so the rows kept, are exactly those of querying round by round.
-    n_shards = len(tokens_tup)
-    lo = np.empty((nq, n_shards), np.int64)
-    hi = np.empty_like(lo)
-    take = np.empty_like(lo)
-    roff = np.zeros(nq + 1, np.int64)
-    for i in range(nq):
-        total = ranges_one(tokens_tup, sa_tup, qflat, qoff, i, lo, hi)
-        roff[i + 1] = roff[i] + split_k(lo, hi, i, k, total, take)
-    rows = np.empty((roff[nq], L), np.int32)
-    for i in range(nq):
-        gather_one(tokens_tup, sa_tup, sep, qoff, i, lo, hi, take, L, rows, roff[i])
-    keep = np.zeros(nq, np.bool_)
+            n_queries += plen[b]
+    rows = np.empty((n_queries * k, L), np.int32)  # upper bound: every round of every request returns k rows
+    owner = np.empty(n_queries * k, np.int64)
     match_len = np.zeros(B, np.int32)
     rounds = np.zeros(B, np.int32)
-    n_kept = 0
-    i = 0
+    n_shards = len(tokens_tup)
+    lo = np.empty((1, n_shards), np.int64)
+    hi = np.empty_like(lo)
+    take = np.empty_like(lo)
+    query = np.empty(q, np.int64)
+    q_off = np.zeros(2, np.int64)
+    o = 0
     for b in range(B):
         if lengths[b] <= 0:
             continue
@@ -100,28 +75,24 @@ def backoff_rows(tokens_tup, sa_tup, sep, P, plen, lengths, k, L, threshold):
         for r in range(plen[b]):
             if r > 0 and gathered >= threshold:
                 break
-            qi = i + r
-            keep[qi] = True
-            rounds[b] += 1
+            c = plen[b] - r
+            for j in range(c):
+                query[j] = P[b, q - c + j]
+            q_off[1] = c
+            total = ranges_one(tokens_tup, sa_tup, query, q_off, 0, lo, hi)
+            n = split_k(lo, hi, 0, k, total, take)
+            gather_one(tokens_tup, sa_tup, sep, q_off, 0, lo, hi, take, L, rows, o)
             got = 0
-            for row in range(roff[qi], roff[qi + 1]):
+            for row in range(o, o + n):
+                owner[row] = b
                 if rows[row, 0] >= 0:
                     got += 1
             if got > 0 and match_len[b] == 0:
-                match_len[b] = plen[b] - r
+                match_len[b] = c
             gathered += got
-            n_kept += roff[qi + 1] - roff[qi]
-        i += plen[b]
-    out = np.empty((n_kept, L), np.int32)
-    owner = np.empty(n_kept, np.int64)
-    o = 0
-    for qi in range(nq):
-        if keep[qi]:
-            for row in range(roff[qi], roff[qi + 1]):
-                out[o] = rows[row]
-                owner[o] = qreq[qi]
-                o += 1
-    return out, owner, match_len, rounds
+            rounds[b] += 1
+            o += n
+    return rows[:o], owner[:o], match_len, rounds
 
 
 # Serial on purpose: the whole batch is tens of microseconds of work, less than one wake-up of numba's thread pool on
