@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from collections.abc import Hashable, KeysView, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
