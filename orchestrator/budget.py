@@ -17,11 +17,27 @@ Policies (`BudgetPolicy.parse`):
 
 Node selection keeps trees valid: within a tree, probabilities never increase along a path and ties go to the
 lower (earlier, parents-first) index, so the k best nodes of a tree always include their ancestors.
+
+Closed loop (`observe`, called by the orchestrator after every step):
+- acceptance: picking the highest-scored nodes of many trees selects the ones whose scores are most over-estimated
+  (the winner's curse), so the controller scales node probabilities by realized / predicted accepted draft tokens
+  (exponential moving averages over recent steps from a neutral prior, clipped to [0.5, 1.5]; steps that verify
+  nothing let the scale drift back toward 1);
+- drafting cost: drafting runs on the same clock as verification (CPU here; SPIN-style overlap on GPUs hides it),
+  so its measured seconds count in the goodput denominator. A step speculates only when the predicted goodput beats
+  plain decoding by `min_gain` (the step-time model's own error is several percent: smaller predicted gains are
+  noise). Each drafted step's predicted gain over plain decoding without drafting (negative when nothing is sent:
+  the drafting was wasted) enters a moving average; while it is negative, `draft_cap` returns 0 for a growing
+  number of steps (2, 4, ... 32) and then probes again, so a saturated batch stops paying for drafts it will not
+  send, while a lone request whose drafts pay on average keeps drafting through its unlucky steps;
+- drafting cap: the next step drafts at most twice the largest tree the controller just chose (at least 8), so large
+  batches do not draft 64 nodes per request to send two.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,8 +74,10 @@ class BudgetPolicy:
 class BudgetDecision:
     nodes: np.ndarray  # int32 [b]: nodes sent per request
     predicted_step_s: float
-    predicted_tokens: np.ndarray  # float64 [b]: 1 + sum of selected node probabilities
+    predicted_tokens: np.ndarray  # float64 [b]: 1 + sum of selected node probabilities (scaled by the closed loop)
     no_speculation_step_s: float  # predicted time of the same step with zero nodes
+    raw_draft_tokens: float = 0.0  # sum of the selected nodes' calibrated probabilities, before the closed-loop scale
+    gain: float = 0.0  # goodput: predicted goodput (drafting included) / plain decoding's without drafting, minus 1
 
 
 def prune_tree(tree: DraftTree, n: int) -> DraftTree:
@@ -81,9 +99,33 @@ def prune_tree(tree: DraftTree, n: int) -> DraftTree:
 
 
 class BudgetController:
-    def __init__(self, policy: BudgetPolicy, step_model: StepTimeModel) -> None:
+    def __init__(self, policy: BudgetPolicy, step_model: StepTimeModel, *, min_gain: float = 0.05,
+                 ema: float = 0.1) -> None:
         self.policy = policy
         self.step_model = step_model
+        self.min_gain = min_gain
+        self.ema = ema
+        # closed-loop state (goodput policy)
+        # EMAs of predicted (raw calibrated) and realized accepted draft tokens per step; both start at the same
+        # prior so that a few unlucky first steps cannot talk the controller out of speculating for good.
+        self._predicted_draft_tokens = 4.0
+        self._realized_draft_tokens = 4.0
+        self._draft_s_per_request: deque[float] = deque(maxlen=16)  # recent drafting seconds per request
+        self._next_cap = policy.max_nodes_per_request
+        self._skip_steps = 0
+        self._backoff = 0
+        self._gain = 0.0  # EMA of `BudgetDecision.gain` over drafted steps
+        self._drafted_steps = 0  # no back-off during the first steps: cold caches make the first drafts slow
+
+    @property
+    def acceptance_scale(self) -> float:
+        """Realized / predicted accepted draft tokens over recent steps (1 until enough drafts were verified)."""
+        return float(np.clip(self._realized_draft_tokens / self._predicted_draft_tokens, 0.5, 1.5))
+
+    @property
+    def draft_s_per_request(self) -> float:
+        """Median of recent drafting seconds per request (robust to a slow first call or a noisy step)."""
+        return float(np.median(self._draft_s_per_request)) if self._draft_s_per_request else 0.0
 
     def draft_cap(self, num_running: int) -> int:
         """Nodes per request to ask the drafter for before allocation."""
@@ -94,7 +136,33 @@ class BudgetController:
             return p.fixed_nodes
         if p.kind == "roofline":
             return self.roofline_nodes(num_running)
-        return p.max_nodes_per_request
+        if self._skip_steps > 0:
+            self._skip_steps -= 1
+            return 0
+        return min(self._next_cap, p.max_nodes_per_request)
+
+    def observe(self, decision: "BudgetDecision", *, realized_draft_tokens: float, draft_s: float, cap: int) -> None:
+        """Feed back one step: accepted draft tokens (bonus tokens excluded) and the drafting time it cost."""
+        if self.policy.kind != "goodput":
+            return
+        b = max(len(decision.nodes), 1)
+        a = self.ema
+        if decision.nodes.sum() > 0:
+            self._predicted_draft_tokens = (1 - a) * self._predicted_draft_tokens + a * decision.raw_draft_tokens
+            self._realized_draft_tokens = (1 - a) * self._realized_draft_tokens + a * realized_draft_tokens
+        else:  # nothing verified, nothing learned: drift back toward trusting the calibration
+            self._realized_draft_tokens += 0.5 * a * (self._predicted_draft_tokens - self._realized_draft_tokens)
+        if cap > 0:
+            self._draft_s_per_request.append(draft_s / b)
+            self._gain = (1 - 2 * a) * self._gain + 2 * a * decision.gain
+            self._drafted_steps += 1
+            if self._gain >= 0 or self._drafted_steps < 8:
+                self._backoff = 0
+                self._next_cap = max(8, 2 * int(decision.nodes.max()))
+            else:  # back off drafting; probe again after 2, 4, ... 32 steps
+                self._backoff = min(max(2 * self._backoff, 2), 32)
+                self._skip_steps = self._backoff
+                self._next_cap = max(8, self._next_cap // 2)
 
     def roofline_nodes(self, batch: int) -> int:
         """SSSD's s = I_knee // b (root included), capped per batch size and snapped to SSSD's grid; minus the root."""
@@ -121,12 +189,13 @@ class BudgetController:
             cap = self.draft_cap(b)
             pruned = [prune_tree(t, cap) for t in trees]
             nodes = np.array([len(t) for t in pruned], dtype=np.int32)
-            tokens = ones + np.array([t.expected_accepted for t in pruned])
-            return pruned, BudgetDecision(nodes, self.step_model.predict(ones + nodes, context), tokens, base_s)
+            raw = np.array([t.expected_accepted for t in pruned])
+            return pruned, BudgetDecision(nodes, self.step_model.predict(ones + nodes, context), ones + raw, base_s,
+                                          float(raw.sum()))
 
-        nodes, step_s, tokens = self._goodput_nodes(trees, context, tpot_s)
+        nodes, step_s, tokens, raw, gain = self._goodput_nodes(trees, context, tpot_s)
         pruned = [prune_tree(t, int(n)) for t, n in zip(trees, nodes)]
-        return pruned, BudgetDecision(nodes, step_s, tokens, base_s)
+        return pruned, BudgetDecision(nodes, step_s, tokens, base_s, raw, gain)
 
     def _goodput_nodes(self, trees, context, tpot_s):
         b = len(trees)
@@ -155,15 +224,22 @@ class BudgetController:
             total,
         ], axis=1)
         step_s = features @ model.coefficients
-        expected = b + np.concatenate([[0.0], np.cumsum(probs)])
-        goodput = expected / step_s
+        scale = self.acceptance_scale
+        expected = b + scale * np.concatenate([[0.0], np.cumsum(probs)])
+        # Drafting was paid for this step already (it counts for k = 0 too), so it cannot change which k is best;
+        # it decides whether drafting pays at all (`gain`), which steers the next steps' drafting.
+        draft_s = self.draft_s_per_request * b
+        goodput = expected / (step_s + draft_s)
         if tpot_s is not None and np.isfinite(tpot_s).any():
             goodput = np.where(step_s <= np.nanmin(tpot_s), goodput, -np.inf)
-            goodput[0] = max(goodput[0], expected[0] / step_s[0])  # never refuse to decode at all
+            goodput[0] = max(goodput[0], expected[0] / (step_s[0] + draft_s))  # never refuse to decode at all
         k = int(np.argmax(goodput))  # first maximum: the fewest nodes that reach the best goodput
+        if goodput[k] < (1.0 + self.min_gain) * goodput[0]:
+            k = 0
+        gain = float(goodput[k] * step_s[0] / expected[0] - 1.0)
         nodes = np.bincount(owner[:k], minlength=b).astype(np.int32)
-        tokens = ones + np.bincount(owner[:k], weights=probs[:k], minlength=b)
-        return nodes, float(step_s[k]), tokens
+        raw = np.bincount(owner[:k], weights=probs[:k], minlength=b)
+        return nodes, float(step_s[k]), ones + scale * raw, float(raw.sum()), gain
 
 
 def _cumcount(groups: np.ndarray) -> np.ndarray:

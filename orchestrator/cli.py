@@ -42,11 +42,18 @@ def _export_triton_repo(argv: Sequence[str]) -> int:
     return export_main(list(argv))
 
 
+def _simulate(argv: Sequence[str]) -> int:
+    from tools.simulate import main as simulate_main
+
+    return simulate_main(list(argv))
+
+
 COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "model": (_model, "prepare target models (`retrospec model prepare`)"),
     "build-datastore": (_build_datastore, "build a suffix-array datastore from corpora"),
     "serve": (_serve, "serve over Triton Inference Server (--triton) and/or an OpenAI-style HTTP API (--http)"),
     "export-triton-repo": (_export_triton_repo, "write a model repository for a stock tritonserver"),
+    "simulate": (_simulate, "event-clock simulation of a deployment (model shape x device) on recorded trajectories"),
 }
 
 

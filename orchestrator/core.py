@@ -52,6 +52,8 @@ class StepRecord:
     draft_s: float
     step_s: float  # wall time of the whole step
     fallbacks: int
+    prefill_tokens: list[int] = field(default_factory=list)  # prompt length of each request admitted this step
+    prefill_s: list[float] = field(default_factory=list)  # and its prefill's wall time
 
 
 @dataclass
@@ -77,12 +79,14 @@ class Orchestrator:
         tokenizer=None,
         max_running: int = 32,
         keep_step_records: int = 100_000,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.engine = engine
         self.drafter = drafter
         self.budget = budget
         self.tokenizer = tokenizer  # needed only for text output and stop strings
         self.max_running = max_running
+        self.clock = clock  # request timestamps (TTFT, latency); the simulator passes its event clock
         self.waiting: deque[tuple[str, GenerationRequest, OutputCallback | None]] = deque()
         self.running: dict[str, _Running] = {}
         self.records: deque[StepRecord] = deque(maxlen=keep_step_records)
@@ -91,6 +95,7 @@ class Orchestrator:
         # KV admission ledger: blocks reserved for each running request's whole life (prompt + max_tokens + the
         # temporary slots of the largest tree), so lazily-allocating engines can never run out mid-generation.
         self._reserved: dict[str, int] = {}
+        self._prefills: list[tuple[int, float]] = []  # (prompt tokens, seconds) of this step's admissions
 
     # -- client side ----------------------------------------------------------------------------------------------
     def submit(self, request: GenerationRequest, on_output: OutputCallback | None = None, *,
@@ -133,6 +138,7 @@ class Orchestrator:
     # -- one scheduler iteration ---------------------------------------------------------------------------------
     def step(self) -> StepRecord | None:
         started = time.perf_counter()
+        self._prefills = []
         prefills = self._admit()
         if not self.running:
             return None
@@ -148,7 +154,8 @@ class Orchestrator:
         trees, decision = self.budget.allocate(trees, context, tpot_s=tpot if np.isfinite(tpot).any() else None)
 
         verify = self.engine.verify([VerifyItem(s.request_id, t) for s, t in zip(states, trees)])
-        measured_s = verify.timings.get("forward_ms", verify.timings.get("total_ms", 0.0)) / 1e3
+        # The whole verify call (input packing and sampling included) is what a step costs the batch.
+        measured_s = verify.timings.get("total_ms", verify.timings.get("forward_ms", 0.0)) / 1e3
         self.budget.step_model.observe(1.0 + decision.nodes, context, measured_s)
 
         realized = 0
@@ -160,11 +167,13 @@ class Orchestrator:
             state.stats.accepted += verdict.num_accepted
             self._advance(state, verdict.accepted_nodes, verdict.new_tokens)
 
+        self.budget.observe(decision, realized_draft_tokens=realized - len(states), draft_s=draft_s, cap=cap)
         record = StepRecord(
             batch=len(states), prefills=prefills, nodes=decision.nodes.tolist(),
             predicted_tokens=float(decision.predicted_tokens.sum()), realized_tokens=realized,
             predicted_s=decision.predicted_step_s, measured_s=measured_s, draft_s=draft_s,
             step_s=time.perf_counter() - started, fallbacks=fallbacks,
+            prefill_tokens=[n for n, _ in self._prefills], prefill_s=[t for _, t in self._prefills],
         )
         self.records.append(record)
         return record
@@ -190,11 +199,13 @@ class Orchestrator:
                 break
             self.waiting.popleft()
             state = _Running(request_id, request, callback, context_len=len(request.prompt_ids),
-                             started_s=time.perf_counter())
+                             started_s=self.clock())
             if request.stop_strings or self.tokenizer is not None:
                 state.detok = IncrementalDetokenizer(self.tokenizer, request.stop_strings)
             try:
+                prefill_started = time.perf_counter()
                 first = self.engine.add_request(request_id, list(request.prompt_ids), request.sampling)
+                self._prefills.append((len(request.prompt_ids), time.perf_counter() - prefill_started))
             except KVCacheFullError:
                 self.waiting.appendleft((request_id, request, callback))
                 break
@@ -249,7 +260,7 @@ class Orchestrator:
                 break
         state.output += kept
         if state.first_token_s is None:
-            state.first_token_s = time.perf_counter()
+            state.first_token_s = self.clock()
         text = ""
         if state.detok is not None:
             text, hit_stop = state.detok.add(kept)

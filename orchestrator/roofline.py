@@ -200,6 +200,10 @@ class StepTimeModel:
         if len(self._samples) >= 8 and len(self._samples) % refit_every == 0:
             self.fit_samples(list(self._samples))
 
+    def samples(self) -> list[tuple[np.ndarray, float]]:
+        """The (features, measured seconds) pairs kept for refitting (the last `window` observed steps)."""
+        return list(self._samples)
+
     def fit(self, steps: list[tuple[np.ndarray, np.ndarray, float]]) -> None:
         """Least-squares fit from (tokens, context, measured seconds) triples."""
         self.fit_samples([(self.features(t, c), m) for t, c, m in steps])

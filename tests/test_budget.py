@@ -125,3 +125,40 @@ def test_free_budget_matches_the_ridge_formula():
         from orchestrator.roofline import hardware
 
         hardware("TPU-v9")
+
+
+def test_realized_acceptance_below_prediction_shrinks_the_budget():
+    model = h100_model()
+    controller = BudgetController(BudgetPolicy.parse("goodput"), model)
+    trees, context = chain_trees(16, 0.8), np.full(16, 1024)
+    _, first = controller.allocate(trees, context)
+    for _ in range(60):  # drafts are accepted at 60% of their calibrated rate
+        _, decision = controller.allocate(trees, context)
+        controller.observe(decision, realized_draft_tokens=0.6 * decision.raw_draft_tokens, draft_s=0.0, cap=32)
+    _, later = controller.allocate(trees, context)
+    assert controller.acceptance_scale == pytest.approx(0.6, rel=0.05)
+    assert 0 < later.nodes.sum() < first.nodes.sum()
+    assert later.predicted_tokens.sum() - 16 == pytest.approx(controller.acceptance_scale * later.raw_draft_tokens, rel=1e-6)
+
+
+def test_drafting_that_costs_more_than_it_returns_backs_off_and_probes_again():
+    model = h100_model()
+    controller = BudgetController(BudgetPolicy.parse("goodput"), model)
+    trees, context = chain_trees(8, 0.3), np.full(8, 1024)
+    step_s = model.predict(np.ones(8), context)
+    caps = []
+    for _ in range(60):
+        cap = controller.draft_cap(8)
+        caps.append(cap)
+        _, decision = controller.allocate(trees if cap else [DraftTree.empty()] * 8, context)
+        # drafting costs half a step and the chains are weak: speculation cannot pay for it
+        controller.observe(decision, realized_draft_tokens=decision.raw_draft_tokens, draft_s=0.5 * step_s, cap=cap)
+    assert all(c > 0 for c in caps[:8])  # the first steps measure the drafting cost (caches are cold at first)
+    assert caps[8:].count(0) >= 40  # then drafting is mostly skipped ...
+    assert any(c > 0 for c in caps[20:])  # ... with probes in between
+    cheap = BudgetController(BudgetPolicy.parse("goodput"), model)
+    for _ in range(60):
+        cap = cheap.draft_cap(8)
+        assert cap > 0  # cheap drafting of strong chains never backs off
+        _, decision = cheap.allocate(chain_trees(8, 0.9), context)
+        cheap.observe(decision, realized_draft_tokens=decision.raw_draft_tokens, draft_s=1e-6, cap=cap)

@@ -234,6 +234,22 @@ class Transformer(nn.Module):
         model.inv_freq = inv_freq.to(model.inv_freq.device)
         return model.eval().requires_grad_(False)
 
+    @classmethod
+    def random(cls, config: dict, *, dtype: torch.dtype = torch.bfloat16, device=None, seed: int = 0) -> "Transformer":
+        """A model of `config`'s shape with random weights (timing studies of large shapes without weight files)."""
+        args = ModelArgs.from_config(config)
+        with torch.device("meta"):
+            model = cls(args)
+        model.to_empty(device=device or "cpu")
+        generator = torch.Generator(device=device or "cpu").manual_seed(seed)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.normal_(0.0, 0.02, generator=generator) if param.dim() > 1 else param.fill_(1.0)
+        model.to(dtype)
+        inv_freq, _ = rope_inv_freq(args)
+        model.inv_freq = inv_freq.to(model.inv_freq.device)
+        return model.eval().requires_grad_(False)
+
     @torch.no_grad()
     def load_weights(self, state: dict[str, Tensor], *, dtype: torch.dtype) -> None:
         """Copy a Hugging Face Llama state dict (names `model.layers.{i}.self_attn.q_proj.weight`, ...) into this model."""

@@ -149,7 +149,7 @@ class TorchEngine:
 
     def __init__(
         self,
-        model: str = "default",
+        model: "str | Transformer" = "default",
         *,
         dtype: torch.dtype = torch.bfloat16,
         device: str | torch.device | None = None,
@@ -159,7 +159,10 @@ class TorchEngine:
     ):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype
-        self.model = Transformer.from_folder(resolve_model_dir(model), dtype=dtype, device=self.device)
+        if isinstance(model, Transformer):  # an already built model (e.g. `Transformer.random` for timing studies)
+            self.model = model
+        else:
+            self.model = Transformer.from_folder(resolve_model_dir(model), dtype=dtype, device=self.device)
         args = self.model.args
         self.args = args
         self.vocab_size: int = args.vocab_size

@@ -1,0 +1,147 @@
+"""The event-clock simulator: `SimulatedEngine` replays recorded trajectories; `tools.simulate` drives the real
+orchestrator, drafter and budget controller over it. Trajectories are the committed recordings; the datastore is
+built here from the calibration split's outputs (never the evaluated prompts)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from datastore import Datastore, build_from_token_docs
+from drafter.drafter import Drafter, DrafterConfig
+from drafter.tree import DraftTree
+from orchestrator.roofline import KNOWN_HARDWARE, HardwareSpec, ModelShape, StepTimeModel
+from tools.simulate import (
+    Deployment,
+    Workload,
+    closed_loop_arrivals,
+    main as simulate_main,
+    model_config,
+    poisson_arrivals,
+    simulate,
+    trace_arrivals,
+)
+from tools.trajectories import load_trajectories, trajectory_path
+from trt_engines.base import RequestError, SamplingParams, VerifyItem
+from trt_engines.simulated_engine import SimClock, SimulatedEngine
+
+LLAMA_8B = ModelShape.from_config(model_config("llama-3.1-8b"))
+
+
+@pytest.fixture(scope="module")
+def eval_trajectories():
+    return load_trajectories(trajectory_path("grounded", "eval"))[:6]
+
+
+@pytest.fixture(scope="module")
+def drafter(tmp_path_factory):
+    calib = load_trajectories(trajectory_path("grounded", "calib")) + load_trajectories(trajectory_path("humaneval", "calib"))
+    docs = [np.concatenate([t.prompt_ids, t.output_ids]) for t in calib]
+    path = build_from_token_docs(docs, tmp_path_factory.mktemp("ds") / "calib", vocab_size=49152, tokenizer_id="test")
+    return Drafter(DrafterConfig(), datastores=[Datastore.open(path)])
+
+
+def h100() -> Deployment:
+    return Deployment(LLAMA_8B, KNOWN_HARDWARE["H100-SXM"])
+
+
+def test_engine_answers_with_the_recorded_tokens_and_charges_the_step_model(eval_trajectories):
+    tr = eval_trajectories[0]
+    out = tr.output_ids
+    clock = SimClock()
+    model = StepTimeModel(LLAMA_8B, KNOWN_HARDWARE["H100-SXM"])
+    engine = SimulatedEngine(model, clock, trajectories={tuple(tr.prompt_ids): out}, vocab_size=LLAMA_8B.vocab)
+    assert engine.add_request("r", tr.prompt_ids.tolist(), SamplingParams()) == out[0]
+    prefill = model.predict(np.array([len(tr.prompt_ids)]), np.array([0]))
+    assert clock.now == pytest.approx(prefill)
+
+    # A tree with the right chain of 3, a wrong sibling at depth 1 and a wrong child under the right chain.
+    tree = DraftTree.from_arrays(tokens=[out[1], out[2], out[3], (out[1] + 1) % 49152, (out[3] + 1) % 49152],
+                                 parents=[-1, 0, 1, -1, 1])
+    result = engine.verify([VerifyItem("r", tree)]).results[0].target_tokens
+    assert result[0] == out[1]  # after the root
+    assert result[1:4].tolist() == [out[2], out[3], out[4]]  # after each node of the right chain
+    assert clock.now == pytest.approx(prefill + model.predict(np.array([6]), np.array([len(tr.prompt_ids)])))
+    with pytest.raises(RequestError, match="not the recorded token"):
+        engine.commit("r", [0, 1], next_root=int(out[3]) + 1)
+
+    engine.verify([VerifyItem("r", DraftTree.chain(out[1:3]))])
+    engine.commit("r", [0, 1], next_root=int(out[3]))
+    assert engine.verify([VerifyItem("r", DraftTree.empty())]).results[0].target_tokens.tolist() == [out[4]]
+    engine.release("r")
+    assert engine.free_blocks() == engine.total_blocks()
+
+
+def test_engine_refuses_unknown_prompts_and_sampling(eval_trajectories):
+    tr = eval_trajectories[0]
+    engine = SimulatedEngine(StepTimeModel(LLAMA_8B, KNOWN_HARDWARE["H100-SXM"]), SimClock(),
+                             trajectories={tuple(tr.prompt_ids): tr.output_ids}, vocab_size=LLAMA_8B.vocab)
+    with pytest.raises(RequestError, match="no recorded trajectory"):
+        engine.add_request("x", [1, 2, 3], SamplingParams())
+    with pytest.raises(RequestError, match="greedy"):
+        engine.add_request("y", tr.prompt_ids.tolist(), SamplingParams(temperature=0.7))
+    assert engine.free_blocks() == engine.total_blocks() and not engine.requests
+
+
+@pytest.mark.parametrize("policy", ["none", "fixed:8", "goodput"])
+def test_simulation_reproduces_the_trajectories_and_counts_time(eval_trajectories, drafter, policy):
+    max_tokens = 48
+    workload = Workload(tuple(eval_trajectories), max_tokens, tuple(closed_loop_arrivals(len(eval_trajectories))), 3)
+    result = simulate(h100(), workload, policy, drafter, host_time="none")
+    # every request produced exactly its recorded greedy tokens (up to EOS or the token limit)
+    assert result.outputs == [t.output_ids[:max_tokens].tolist() for t in eval_trajectories]
+    m = result.metrics
+    assert m["host_s"] == 0 and result.seconds == pytest.approx(m["engine_s"])  # no host time charged
+    assert 0 < m["ttft_p50_s"] <= m["latency_p50_s"]
+    if policy == "none":
+        assert m["tau"] == 1.0 and m["mean_nodes_per_request_step"] == 0
+    else:
+        assert m["tau"] > 1.0
+
+
+def test_goodput_speculates_at_low_load_and_less_at_high_load(eval_trajectories, drafter):
+    # A device with a low ridge (a CPU-like roofline) so that six requests already fill it.
+    cpu = Deployment(ModelShape.from_config(model_config("smollm2-135m")),
+                     HardwareSpec("cpu-like", {"bfloat16": 3e11}, mem_bandwidth=2e10, overhead_s=5e-3))
+    trajectories = tuple(eval_trajectories)
+    nodes = []
+    for concurrency in (1, 6):
+        workload = Workload(trajectories, 32, tuple(closed_loop_arrivals(len(trajectories))), concurrency)
+        none = simulate(cpu, workload, "none", drafter, host_time="none")
+        goodput = simulate(cpu, workload, "goodput", drafter, host_time="none")
+        assert goodput.metrics["tokens_per_s"] >= none.metrics["tokens_per_s"]
+        nodes.append(goodput.metrics["mean_nodes_per_request_step"])
+    assert nodes[0] > nodes[1] > 0
+
+
+def test_poisson_arrivals_leave_the_server_idle_between_requests(eval_trajectories, drafter):
+    arrivals = poisson_arrivals(len(eval_trajectories), 0.5, seed=3)
+    assert np.all(np.diff(arrivals) > 0)
+    workload = Workload(tuple(eval_trajectories), 16, tuple(arrivals), 8)
+    result = simulate(h100(), workload, "none", drafter, host_time="none")
+    assert result.seconds < arrivals[-1] - arrivals[0] + 5  # the clock jumps over idle gaps: no busy loop
+    assert result.metrics["latency_p50_s"] < 1.0  # at 0.5 requests/s an H100 serves each alone
+
+
+def test_trace_arrivals_from_csv(tmp_path):
+    with_header = tmp_path / "trace.csv"
+    with_header.write_text("request,timestamp\na,10.0\nb,10.5\nc,12.0\n")
+    assert trace_arrivals(with_header, 5).tolist() == pytest.approx([0.0, 0.5, 2.0, 3.0, 3.5])
+    bare = tmp_path / "bare.csv"
+    bare.write_text("3\n1\n2\n")
+    assert trace_arrivals(bare, 3).tolist() == [0.0, 1.0, 2.0]
+    bad = tmp_path / "bad.csv"
+    bad.write_text("timestamp\nsoon\n")
+    with pytest.raises(ValueError, match="bad.csv"):
+        trace_arrivals(bad, 2)
+    with pytest.raises(ValueError, match="cannot read"):
+        trace_arrivals(tmp_path / "missing.csv", 2)
+
+
+def test_cli_errors_name_the_fix(capsys):
+    with pytest.raises(SystemExit):
+        simulate_main(["--model", "llama-9000"])
+    assert "unknown model 'llama-9000'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        simulate_main(["--hardware", "TPU-v9"])
+    assert "unknown hardware" in capsys.readouterr().err
