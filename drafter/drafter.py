@@ -30,7 +30,7 @@ import numpy as np
 
 from drafter.calibration import CalibrationMap
 from drafter.datastore_source import DatastoreSource, sssd_branch_length
-from drafter.fusion import fuse_one
+from drafter.fusion import PARALLEL_MIN_BATCH, fuse_batch_parallel, fuse_batch_serial
 from drafter.input_index import InputIndex
 from drafter.tree import DraftTree
 
@@ -139,27 +139,36 @@ class Drafter:
         else:
             cand = self._ds_source_empty(B)
         lookup, kx, ky, kn = self._cal_tables
-        out = []
-        cap = max(budgets, default=0)
-        o_tok = np.empty(cap, np.int32)
-        o_par = np.empty(cap, np.int32)
-        o_prob = np.empty(cap, np.float32)
-        o_depth = np.empty(cap, np.int32)
-        o_src = np.empty(cap, np.int16)
-        o_raw = np.empty(cap, np.float32)
-        o_mlen = np.empty(cap, np.int32)
-        for b, (s, budget) in enumerate(zip(seqs, budgets)):
-            n = fuse_one(
-                s.buf, s.n if use_input else 0, s.tok, s.cnt, s.first, s.sib, s.hkeys, s.hvals,
-                cfg.query_len, cfg.input_depth, cfg.input_scale, cfg.delta_base, cfg.delta_step,
-                cand.tok, cand.cnt, cand.first, cand.sib, cand.roots[b], cand.match_len[b],
-                budget, cfg.fanout, lookup, kx, ky, kn,
-                o_tok, o_par, o_prob, o_depth, o_src, o_raw, o_mlen,
+        cap = max(max(budgets, default=0), 1)
+        o_tok = np.empty((B, cap), np.int32)
+        o_par = np.empty((B, cap), np.int32)
+        o_prob = np.empty((B, cap), np.float32)
+        o_depth = np.empty((B, cap), np.int32)
+        o_src = np.empty((B, cap), np.int16)
+        o_raw = np.empty((B, cap), np.float32)
+        o_mlen = np.empty((B, cap), np.int32)
+        o_n = np.zeros(B, np.int64)
+        tables = self._index.tables
+        slots = np.array([self._index.slot(rid) for rid, _ in batch], np.int64)
+        n_seq = tables.n[slots] if use_input else np.zeros(B, np.int64)
+        kernel = fuse_batch_parallel if B >= PARALLEL_MIN_BATCH else fuse_batch_serial
+        t = tables.lists
+        kernel(
+            slots, n_seq, t["buf"], t["tok"], t["cnt"], t["first"], t["sib"], t["hkeys"], t["hvals"],
+            cfg.query_len, cfg.input_depth, cfg.input_scale, cfg.delta_base, cfg.delta_step,
+            cand.tok, cand.cnt, cand.first, cand.sib, cand.roots, cand.match_len,
+            np.asarray(budgets, np.int64), cfg.fanout, lookup, kx, ky, kn,
+            o_tok, o_par, o_prob, o_depth, o_src, o_raw, o_mlen, o_n,
+        )
+        # Each tree views its row of this call's fresh output arrays: no per-request copies.
+        return [
+            DraftResult(
+                tree=DraftTree(tokens=o_tok[b, :n], parents=o_par[b, :n], probs=o_prob[b, :n],
+                               depth=o_depth[b, :n], source=o_src[b, :n]),
+                raw_score=o_raw[b, :n], match_len=o_mlen[b, :n],
             )
-            tree = DraftTree(tokens=o_tok[:n].copy(), parents=o_par[:n].copy(), probs=o_prob[:n].copy(),
-                             depth=o_depth[:n].copy(), source=o_src[:n].copy())
-            out.append(DraftResult(tree=tree, raw_score=o_raw[:n].copy(), match_len=o_mlen[:n].copy()))
-        return out
+            for b, n in enumerate(o_n.tolist())
+        ]
 
     # ---- internals -------------------------------------------------------------------------------------------
     def _check_batch(self, batch):
@@ -189,11 +198,14 @@ class Drafter:
         return c
 
     def _warm_up(self) -> None:
-        """Compile (or load cached) numba kernels now, so no request pays for it."""
-        rid = object()
+        """Compile (or load cached) numba kernels now, serial and parallel, so no request pays for it."""
+        ids = [object() for _ in range(PARALLEL_MIN_BATCH)]
         vocab = self.vocab_size or 2
-        self._index.start_request(rid, np.arange(2 * self.config.query_len + 4, dtype=np.int32) % vocab)
+        for rid in ids:
+            self._index.start_request(rid, np.arange(2 * self.config.query_len + 4, dtype=np.int32) % vocab)
         try:
-            self.draft([(rid, 2)])
+            self.draft([(ids[0], 2)])
+            self.draft([(rid, 2) for rid in ids])
         finally:
-            self._index.stop_request(rid)
+            for rid in ids:
+                self._index.stop_request(rid)

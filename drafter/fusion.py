@@ -244,3 +244,25 @@ def fuse_one(
                 n_heap += 1
                 ch = dsib[ch]
     return n
+
+
+def _fuse_rows(slots, n_seq, bufs, itoks, icnts, ifirsts, isibs, hkeyss, hvalss,
+               query_len, input_depth, input_scale, delta_base, delta_step,
+               dtok, dcnt, dfirst, dsib, ds_roots, ds_mlen, budgets, fanout, lookup, kx, ky, kn,
+               o_tok, o_par, o_prob, o_depth, o_src, o_raw, o_mlen, o_n):
+    """`fuse_one` for every row b of a batch: request slot `slots[b]` (its arrays in the typed lists), datastore
+    roots `ds_roots[b]`, output row b of the 2-D `o_*`, node count in `o_n[b]`. `n_seq[b]` = 0 disables the input
+    source for that row. Compiled twice below: a `prange` version for large batches and a serial one."""
+    for b in nb.prange(slots.shape[0]):
+        s = slots[b]
+        o_n[b] = fuse_one(
+            bufs[s], n_seq[b], itoks[s], icnts[s], ifirsts[s], isibs[s], hkeyss[s], hvalss[s],
+            query_len, input_depth, input_scale, delta_base, delta_step,
+            dtok, dcnt, dfirst, dsib, ds_roots[b], ds_mlen[b], budgets[b], fanout, lookup, kx, ky, kn,
+            o_tok[b], o_par[b], o_prob[b], o_depth[b], o_src[b], o_raw[b], o_mlen[b],
+        )
+
+
+fuse_batch_parallel = nb.njit(parallel=True, cache=True)(_fuse_rows)
+fuse_batch_serial = nb.njit(cache=True)(_fuse_rows)
+PARALLEL_MIN_BATCH = 16  # below this, waking a second thread costs more than it saves (and it may be busy)

@@ -108,7 +108,8 @@ def _append(new, buf, n, tok, cnt, par, first, sib, n_nodes, hkeys, hvals, activ
 class _Seq:
     """Arrays of one request's index (owned by InputIndex; read directly by the fusion kernel)."""
 
-    __slots__ = ("buf", "n", "total", "tok", "cnt", "par", "first", "sib", "n_nodes", "hkeys", "hvals", "active")
+    __slots__ = ("buf", "n", "total", "tok", "cnt", "par", "first", "sib", "n_nodes", "hkeys", "hvals", "active",
+                 "version")
 
     def __init__(self, window: int, token_cap: int):
         node_cap = 1 + window * max(token_cap, 16)
@@ -126,17 +127,21 @@ class _Seq:
         self.hvals = np.empty(self.hkeys.shape[0], np.int32)
         self.active = np.full(window, -1, np.int32)
         self.active[0] = 0
+        self.version = 0  # bumped whenever an array is reallocated (the batch tables must re-point to it)
 
     def reserve(self, k: int) -> None:
         """Grow buffers so that k more tokens fit (amortised doubling)."""
         D = self.active.shape[0]
         if self.n + k > self.buf.shape[0]:
             self.buf = _grow(self.buf, self.n + k)
+            self.version += 1
         need = self.n_nodes + D * k
         if need > self.tok.shape[0]:
             for name in ("tok", "cnt", "par", "first", "sib"):
                 setattr(self, name, _grow(getattr(self, name), need))
+            self.version += 1
         if 2 * need > self.hkeys.shape[0]:
+            self.version += 1
             self.hkeys = np.full(_pow2(2 * self.tok.shape[0]), -1, np.int64)
             self.hvals = np.empty(self.hkeys.shape[0], np.int32)
             _rehash(self.hkeys, self.hvals, self.par, self.tok, self.n_nodes)
@@ -148,6 +153,55 @@ class _Seq:
             self.hkeys, self.hvals, self.active,
         )
         self.n += new.shape[0]
+
+
+class _SlotTables:
+    """Every active request's index arrays, referenced by slot in numba typed lists, so that one compiled kernel can
+    read a whole batch of indexes (`drafter.fusion.fuse_batch`) without a Python call per request.
+
+    A slot is taken at `start_request` and given back at `stop_request`. Arrays are replaced in place of their slot
+    when a request's index reallocates them (`_Seq.version`); `n[slot]` is the request's current token count.
+    """
+
+    _I32 = nb.types.int32[::1]
+    _I64 = nb.types.int64[::1]
+    _FIELDS_I32 = ("buf", "tok", "cnt", "first", "sib", "hvals")
+
+    def __init__(self) -> None:
+        from numba.typed import List
+
+        self.lists = {name: List.empty_list(self._I32) for name in self._FIELDS_I32}
+        self.lists["hkeys"] = List.empty_list(self._I64)
+        self.n = np.zeros(16, np.int64)
+        self._synced: list[int] = []
+        self._free: list[int] = []
+        self._empty32 = np.empty(0, np.int32)
+        self._empty64 = np.empty(0, np.int64)
+
+    def acquire(self) -> int:
+        if self._free:
+            return self._free.pop()
+        slot = len(self._synced)
+        for name, lst in self.lists.items():
+            lst.append(self._empty64 if name == "hkeys" else self._empty32)
+        self._synced.append(-1)
+        if slot >= self.n.shape[0]:
+            self.n = _grow(self.n, slot + 1)
+        return slot
+
+    def sync(self, slot: int, seq: "_Seq") -> None:
+        if self._synced[slot] != seq.version:
+            for name, lst in self.lists.items():
+                lst[slot] = getattr(seq, name)
+            self._synced[slot] = seq.version
+        self.n[slot] = seq.n
+
+    def release(self, slot: int) -> None:
+        for name, lst in self.lists.items():  # drop the references so the memory is freed now
+            lst[slot] = self._empty64 if name == "hkeys" else self._empty32
+        self._synced[slot] = -1
+        self.n[slot] = 0
+        self._free.append(slot)
 
 
 def _pow2(x: int) -> int:
@@ -195,6 +249,8 @@ class InputIndex:
         self.max_tokens = max_tokens
         self.vocab_size = vocab_size
         self._seqs: dict[Hashable, _Seq] = {}
+        self._slots: dict[Hashable, int] = {}
+        self.tables = _SlotTables()
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     @property
@@ -207,19 +263,24 @@ class InputIndex:
             raise ValueError(f"request {request_id!r} is already active; call stop_request first")
         toks = self._check_tokens(prompt_ids, what="prompt_ids")
         seq = _Seq(self.window, min(max(toks.shape[0] + 64, 64), self.max_tokens))
-        self._seqs[request_id] = seq
         self._add(seq, toks)
+        slot = self.tables.acquire()
+        self.tables.sync(slot, seq)
+        self._seqs[request_id] = seq
+        self._slots[request_id] = slot
 
     def extend(self, request_id: Hashable, accepted_ids) -> None:
         """Append accepted output tokens (O(depth) per token). Raises ValueError for an unknown id or bad tokens."""
         seq = self._get(request_id)
         toks = self._check_tokens(accepted_ids, what="accepted_ids")
         self._add(seq, toks)
+        self.tables.sync(self._slots[request_id], seq)
 
     def stop_request(self, request_id: Hashable) -> None:
         """Forget a request and free its memory."""
         self._get(request_id)
         del self._seqs[request_id]
+        self.tables.release(self._slots.pop(request_id))
 
     # ---- views -----------------------------------------------------------------------------------------------
     def tokens(self, request_id: Hashable) -> np.ndarray:
@@ -259,6 +320,11 @@ class InputIndex:
             out.append(SuffixMatch(m=m, occurrences=int(seq.cnt[node]) - 1, counts=counts))
         return out
 
+    def slot(self, request_id: Hashable) -> int:
+        """The request's slot in `tables` (for batch kernels)."""
+        self._get(request_id)
+        return self._slots[request_id]
+
     # ---- internals -------------------------------------------------------------------------------------------
     def _get(self, request_id: Hashable) -> _Seq:
         try:
@@ -289,6 +355,7 @@ class InputIndex:
             fresh = _Seq(self.window, self.max_tokens)
             fresh.total = seq.total
             fresh.append(np.ascontiguousarray(keep))
+            fresh.version = seq.version + 1
             for name in _Seq.__slots__:
                 setattr(seq, name, getattr(fresh, name))
             return

@@ -225,7 +225,7 @@ def test_fusion_equals_reference(ds, ds2, docs, sources, fanout):
     dr = Drafter(cfg, datastores=[ds, ds2], calibration=CalibrationMap.identity())
     rng = np.random.default_rng(fanout)
     batch, seqs = [], {}
-    for i in range(12):
+    for i in range(20):  # above PARALLEL_MIN_BATCH: the parallel kernel is checked against the reference too
         base = rng.integers(0, 8, 12)
         seq = np.concatenate([base, rng.integers(0, 9, 20), base[: int(rng.integers(1, 8))]]).tolist()
         dr.start_request(i, seq[:10])
@@ -264,8 +264,35 @@ def test_trees_valid_deterministic_and_budgeted(ds, ds2):
             assert tree_rows(a) == tree_rows(b)
     for (rid, budget), tree in zip(batch, out[0]):
         check_tree(tree, budget, 5)
+        assert tree_rows(dr.draft([(rid, budget)])[0]) == tree_rows(tree)  # alone (serial) == in a batch (parallel)
     assert sum(len(t) for t in out[0]) > 0
     assert {int(s) for t in out[0] for s in t.source} == {0, 1, 2}
+
+
+def test_requests_that_come_and_go_keep_their_own_index(ds):
+    """Slots of stopped requests are reused; a request whose index grows (reallocates) is still read correctly."""
+    rng = np.random.default_rng(11)
+    dr = Drafter(DrafterConfig(), datastores=[ds])
+    reference = Drafter(DrafterConfig(), datastores=[ds])
+    live: dict[int, list[int]] = {}
+    for step in range(60):
+        rid = int(rng.integers(0, 24))
+        if rid in live and rng.random() < 0.3:
+            dr.stop_request(rid)
+            del live[rid]
+        elif rid in live:
+            more = rng.integers(0, 10, int(rng.integers(1, 300))).tolist()  # sometimes enough to reallocate
+            dr.extend(rid, more)
+            live[rid] += more
+        else:
+            live[rid] = rng.integers(0, 10, int(rng.integers(1, 50))).tolist()
+            dr.start_request(rid, live[rid])
+    batch = [(rid, 16) for rid in live]
+    assert len(batch) >= 8
+    for rid, seq in live.items():
+        reference.start_request(rid, seq)
+    got, want = dr.draft(batch), reference.draft(batch)
+    assert [tree_rows(t) for t in got] == [tree_rows(t) for t in want]
 
 
 def test_no_match_gives_empty_tree(ds):
