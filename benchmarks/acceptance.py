@@ -7,7 +7,9 @@ Methods, all behind the same lifecycle API and replayed on the same trajectories
   fused / input / datastore   ours (SSSD fusion; input index only; datastores only), calibrated by
                               <datastore>/calibration.json when present (tools/calibrate.py)
   fused-path                  ours reduced to the most probable root-to-leaf path (what a linear-draft engine
-                              such as TensorRT-LLM's external draft tokens verifies)
+                              such as TensorRT-LLM's external draft tokens verifies: `TensorRTLLMEngine` sends
+                              `DraftTree.best_path_nodes`, the same path); summary `tau_lost_by_path_b32_<set>`
+                              is fused minus fused-path at B=32
   pld / pld-recent            prompt lookup decoding, vLLM v1 NgramProposer semantics (earliest / latest match)
   aded                        ADED's retriever, PyPI `draftretriever` (third-party code) over the same documents
   rest-rules                  REST's retrieval rules REIMPLEMENTED on our datastore (labelled: REST's own
@@ -114,6 +116,8 @@ def summarize(rows: list[dict], sets: list[str]) -> dict:
         fused_row = next((r for r in rows if (r["set"], r["method"], r["budget"]) == (s, "fused", 32)), None)
         if fused_row:
             summary[f"draft_us_p50_fused_b32_{s}"] = fused_row["draft_us_p50"]
+        if fused_row and tau(s, "fused-path", 32) is not None:  # tokens per step lost to linear verification
+            summary[f"tau_lost_by_path_b32_{s}"] = fused_row["tau"] - tau(s, "fused-path", 32)
         peers = [tau(s, m, 32) for m in ("pld", "aded", "rest-rules")]
         peers = [p for p in peers if p is not None]
         if fused_row and peers:

@@ -143,6 +143,41 @@ class DraftTree:
         return DraftTree.from_arrays(tokens=self.tokens[path], parents=np.arange(-1, len(path) - 1),
                                      probs=self.probs[path], source=self.source[path])
 
+    def best_path_nodes(self, max_len: int | None = None, *, below: int = -1) -> np.ndarray:
+        """Node indices of the linear draft `best_path` returns (int32 [k], root's child first), or of the best
+        path in the subtree under node `below` (excluded) when `below >= 0`; depth and gain then count from it.
+
+        This is the tree -> linear-draft reduction linear-draft engines use (TensorRT-LLM's external draft tokens
+        take one token list per request): the path maximising the sum of its nodes' calibrated path-acceptance
+        probabilities, i.e. the expected accepted tokens of a linear draft, at most `max_len` nodes long. Ties go
+        to the lowest node index (parents-first order, so a node beats its zero-probability children). Keeping the
+        indices lets an engine map a path's verification back onto the tree (`tokens[nodes]` == the path).
+
+        Example: tokens [a, b, c, d], parents [-1, 0, -1, 2], probs [0.9, 0.2, 0.6, 0.55]:
+            best_path_nodes() -> [2, 3] (0.6 + 0.55 > 0.9 + 0.2);  best_path_nodes(1) -> [0];  (below=0) -> [1]
+        """
+        n = len(self)
+        if not -1 <= below < n:
+            raise ValueError(f"below must be -1 (the root) or a node index in [0, {n}); got {below}")
+        if n == 0 or max_len == 0:
+            return np.zeros(0, np.int32)
+        if max_len is not None and max_len < 0:
+            raise ValueError(f"max_len must be None or >= 0; got {max_len}")
+        gain = np.zeros(n, np.float64)
+        inside = np.zeros(n, bool)  # strict descendants of `below`
+        for i in range(n):  # parents-first: a node's values follow from its parent's
+            p = int(self.parents[i])
+            inside[i] = p == below or (p >= 0 and inside[p])
+            gain[i] = self.probs[i] + (gain[p] if p >= 0 else 0.0)
+        base_gain = gain[below] if below >= 0 else 0.0
+        base_depth = int(self.depth[below]) if below >= 0 else 0
+        ok = inside if max_len is None else inside & (self.depth - base_depth <= max_len)
+        if not ok.any():
+            return np.zeros(0, np.int32)
+        score = np.where(ok, gain - base_gain, -np.inf)
+        path = self.path_to(int(np.argmax(score)))  # first maximum: the lowest index among equal gains
+        return path[base_depth:]  # drop `below` and its ancestors (the first base_depth nodes of the path)
+
     def path_to(self, node: int) -> np.ndarray:
         """Node indices from the root's child down to `node` (inclusive)."""
         path = []

@@ -37,9 +37,21 @@ def _serve(argv: Sequence[str]) -> int:
 
 
 def _export_triton_repo(argv: Sequence[str]) -> int:
+    if "--tensorrtllm" in argv:  # TensorRT-LLM's Triton backend as the target (its own options: --engine-dir ...)
+        from orchestrator.serving.triton_repo import export_tensorrtllm_main
+
+        return export_tensorrtllm_main([a for a in argv if a != "--tensorrtllm"])
     from orchestrator.serving.cli import export_main
 
     return export_main(list(argv))
+
+
+def _build_engine(argv: Sequence[str]) -> int:
+    from orchestrator.budget import BudgetPolicy
+    from trt_engines.trtllm_build import main as build_main
+
+    # --max-draft-len defaults to the budget cap: the most nodes a request may ever send in one step.
+    return build_main(list(argv), default_max_draft_len=BudgetPolicy().max_nodes_per_request)
 
 
 def _simulate(argv: Sequence[str]) -> int:
@@ -52,7 +64,9 @@ COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "model": (_model, "prepare target models (`retrospec model prepare`)"),
     "build-datastore": (_build_datastore, "build a suffix-array datastore from corpora"),
     "serve": (_serve, "serve over Triton Inference Server (--triton) and/or an OpenAI-style HTTP API (--http)"),
-    "export-triton-repo": (_export_triton_repo, "write a model repository for a stock tritonserver"),
+    "export-triton-repo": (_export_triton_repo,
+                           "write a model repository for a stock tritonserver (--tensorrtllm: with TensorRT-LLM)"),
+    "build-engine": (_build_engine, "build a TensorRT-LLM engine for speculation from a HF Llama checkpoint (GPU)"),
     "simulate": (_simulate, "event-clock simulation of a deployment (model shape x device) on recorded trajectories"),
 }
 

@@ -113,3 +113,154 @@ def bundled_tritonserver(workdir: str | Path, repository: str | Path, *, http_po
             f"--grpc-address={address}", f"--grpc-port={grpc_port}", f"--metrics-address={address}",
             f"--metrics-port={metrics_port}", "--exit-timeout-secs=10"]
     return argv, env
+
+
+# ---- `export-triton-repo --tensorrtllm`: TensorRT-LLM's Triton backend as the target ----------------------------
+#
+#     DIR/tensorrt_llm/config.pbtxt          backend "tensorrtllm", rendered from the engine folder's config.json
+#     DIR/tensorrt_llm/1/                    (empty: the engine is read from gpt_model_path)
+#     DIR/retrospec_draft/config.pbtxt + 1/model.py        as in the plain export
+#     DIR/retrospec_spec_bls/config.pbtxt + 1/model.py     BLS: drafts with retrospec_draft, verifies with
+#                                                          tensorrt_llm through `draft_input_ids`
+#
+# The tensorrtllm model's tensors and parameters follow NVIDIA's template (read, not copied; NVIDIA/TensorRT-LLM
+# triton_backend/all_models/inflight_batcher_llm/tensorrt_llm/config.pbtxt, 1.x), trimmed to what the BLS sends:
+# batch-dimensioned inputs with `reshape: { shape: [ ] }` for scalars, outputs output_ids [beam, tokens] and
+# sequence_length [beam], parameters gpt_model_type / gpt_model_path / enable_kv_cache_reuse / ... as strings.
+
+# (name, Triton type, dims, optional, scalar: reshape to [] in the backend)
+TENSORRTLLM_INPUTS = [
+    ("input_ids", "TYPE_INT32", "-1", False, False), ("input_lengths", "TYPE_INT32", "1", False, True),
+    ("request_output_len", "TYPE_INT32", "1", False, True), ("draft_input_ids", "TYPE_INT32", "-1", True, False),
+    ("end_id", "TYPE_INT32", "1", True, True), ("pad_id", "TYPE_INT32", "1", True, True),
+    ("exclude_input_in_output", "TYPE_BOOL", "1", True, True), ("streaming", "TYPE_BOOL", "1", True, True),
+]
+TENSORRTLLM_OUTPUTS = [("output_ids", "TYPE_INT32", "-1, -1"), ("sequence_length", "TYPE_INT32", "-1")]
+SPEC_BLS_INPUTS = [("input_ids", "TYPE_INT32", "-1", False), ("max_tokens", "TYPE_INT32", "1", True)]
+SPEC_BLS_OUTPUTS = [("output_ids", "TYPE_INT32", "-1"), ("steps", "TYPE_INT32", "1"),
+                    ("accepted_tokens", "TYPE_INT32", "1"), ("draft_tokens", "TYPE_INT32", "1")]
+
+
+def render_tensorrtllm_config(engine, *, name: str = "tensorrt_llm", kv_cache_free_gpu_mem_fraction: float = 0.9,
+                              max_queue_delay_us: int = 0, batch_scheduler_policy: str = "guaranteed_no_evict") -> str:
+    """config.pbtxt of the `tensorrtllm` backend model for an `EngineConfig` (trt_engines.trtllm_build)."""
+    if not 0 < kv_cache_free_gpu_mem_fraction <= 1:
+        raise ValueError(f"kv_cache_free_gpu_mem_fraction must lie in (0, 1]; got {kv_cache_free_gpu_mem_fraction}")
+    if batch_scheduler_policy not in ("guaranteed_no_evict", "max_utilization"):
+        raise ValueError(f"batch_scheduler_policy must be guaranteed_no_evict or max_utilization; got "
+                         f"{batch_scheduler_policy!r}")
+    lines = [f'name: "{name}"', 'backend: "tensorrtllm"', f"max_batch_size: {engine.max_batch_size}",
+             "model_transaction_policy { decoupled: false }",
+             (f"dynamic_batching {{ preferred_batch_size: [ {engine.max_batch_size} ] "
+              f"max_queue_delay_microseconds: {max_queue_delay_us} }}"), "input ["]
+    lines.append(",\n".join(
+        f'  {{ name: "{n}" data_type: {t} dims: [ {d} ]{" reshape: { shape: [ ] }" if s else ""}'
+        f'{" allow_ragged_batch: true" if d == "-1" else ""}{" optional: true" if o else ""} }}'
+        for n, t, d, o, s in TENSORRTLLM_INPUTS))
+    lines += ["]", "output ["]
+    lines.append(",\n".join(f'  {{ name: "{n}" data_type: {t} dims: [ {d} ] }}' for n, t, d in TENSORRTLLM_OUTPUTS))
+    lines += ["]", "instance_group [ { count: 1 kind: KIND_CPU } ]"]
+    params = {
+        "gpt_model_type": "inflight_fused_batching", "gpt_model_path": engine.engine_dir, "max_beam_width": "1",
+        "batch_scheduler_policy": batch_scheduler_policy, "enable_kv_cache_reuse": "true",
+        "kv_cache_free_gpu_mem_fraction": str(kv_cache_free_gpu_mem_fraction), "exclude_input_in_output": "true",
+        "max_attention_window_size": str(engine.max_seq_len), "enable_chunked_context": "false",
+        "normalize_log_probs": "true", "FORCE_CPU_ONLY_INPUT_TENSORS": "no",
+    }
+    for key, value in params.items():
+        lines.append(f"parameters {{ key: \"{key}\" value: {{ string_value: {json.dumps(value)} }} }}")
+    return "\n".join(lines) + "\n"
+
+
+def export_tensorrtllm_repository(directory: str | Path, engine_dir: str | Path,
+                                  config: ServingConfig | None = None, *, draft_budget: int = 16,
+                                  tensorrtllm_model_name: str = "tensorrt_llm", end_id: int | None = None,
+                                  pad_id: int | None = None, kv_cache_free_gpu_mem_fraction: float = 0.9,
+                                  max_queue_delay_us: int = 0, batch_scheduler_policy: str = "guaranteed_no_evict",
+                                  bls_instances: int | None = None) -> list[Path]:
+    """Write the TensorRT-LLM pairing (see the layout above); returns the files written.
+
+    A Python model instance serves one request at a time; `bls_instances` (default: the engine's max_batch_size) BLS
+    instances let that many requests run at once, so the tensorrtllm model can batch their steps in flight."""
+    from trt_engines.trtllm_build import read_engine_config
+
+    config = config or ServingConfig(hardware="nominal", fit_step_model=False)
+    engine = read_engine_config(engine_dir)
+    end_id = end_id if end_id is not None else (engine.eos_token_ids[0] if engine.eos_token_ids else None)
+    if end_id is None:
+        raise ValueError(f"{engine_dir} has no build_info.json with the model's eos_token_id: pass --end-id")
+    pad_id = pad_id if pad_id is not None else (engine.pad_token_id if engine.pad_token_id is not None else end_id)
+    bls_instances = engine.max_batch_size if bls_instances is None else bls_instances
+    if bls_instances < 1:
+        raise ValueError(f"bls_instances must be >= 1; got {bls_instances}")
+    if not 1 <= draft_budget <= config.max_nodes_per_request:
+        raise ValueError(f"draft_budget must lie in [1, {config.max_nodes_per_request}]; got {draft_budget}")
+    directory = Path(directory)
+    paths = [str(ROOT), *site.getsitepackages(), sysconfig.get_paths()["purelib"]]
+    python_path = json.dumps(list(dict.fromkeys(paths)))
+    written = []
+    (directory / tensorrtllm_model_name / "1").mkdir(parents=True, exist_ok=True)
+    target = directory / tensorrtllm_model_name / "config.pbtxt"
+    target.write_text(render_tensorrtllm_config(
+        engine, name=tensorrtllm_model_name, kv_cache_free_gpu_mem_fraction=kv_cache_free_gpu_mem_fraction,
+        max_queue_delay_us=max_queue_delay_us, batch_scheduler_policy=batch_scheduler_policy))
+    written.append(target)
+    draft_params = {"serving_config": json.dumps(dataclasses.asdict(config)), "python_path": python_path}
+    bls_params = {"python_path": python_path, "tensorrtllm_model_name": tensorrtllm_model_name,
+                  "draft_model_name": "retrospec_draft", "max_draft_len": str(engine.max_draft_len),
+                  "draft_budget": str(draft_budget), "max_seq_len": str(engine.max_seq_len), "end_id": str(end_id),
+                  "pad_id": str(pad_id)}
+    for name, template, inputs, outputs, params in (
+        ("retrospec_draft", "draft_model.py", DRAFT_INPUTS, DRAFT_OUTPUTS, draft_params),
+        ("retrospec_spec_bls", "spec_bls_model.py", SPEC_BLS_INPUTS, SPEC_BLS_OUTPUTS, bls_params),
+    ):
+        (directory / name / "1").mkdir(parents=True, exist_ok=True)
+        config_path = directory / name / "config.pbtxt"
+        text = render_config(name, inputs, outputs, decoupled=False, parameters=params)
+        if name == "retrospec_spec_bls":
+            text = text.replace("instance_group [ { count: 1 ", f"instance_group [ {{ count: {bls_instances} ")
+        config_path.write_text(text)
+        model_path = directory / name / "1" / "model.py"
+        model_path.write_text((TEMPLATES / template).read_text())
+        written += [config_path, model_path]
+    return written
+
+
+def export_tensorrtllm_main(argv) -> int:
+    """`retrospec export-triton-repo --tensorrtllm DIR --engine-dir ENGINE` (flag stripped by orchestrator/cli.py)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="retrospec export-triton-repo --tensorrtllm",
+        description="Write a Triton model repository pairing TensorRT-LLM's backend (the target) with "
+                    "retrospec_draft through a BLS model (retrospec_spec_bls). Run it in NVIDIA's "
+                    "tritonserver:<yy.mm>-trtllm-python-py3 container; see docs/tensorrt_llm.md.")
+    parser.add_argument("dir", help="output folder (created; existing model folders are overwritten)")
+    parser.add_argument("--engine-dir", required=True, help="a `retrospec build-engine` engine folder")
+    parser.add_argument("--datastore", action="append", default=None, help="datastore folder for retrospec_draft "
+                        "(repeatable; default: the default datastore if built)")
+    parser.add_argument("--draft-budget", type=int, default=16, help="tree nodes drafted per step (default 16)")
+    parser.add_argument("--tensorrtllm-model-name", default="tensorrt_llm")
+    parser.add_argument("--end-id", type=int, default=None, help="default: the model's eos id from build_info.json")
+    parser.add_argument("--pad-id", type=int, default=None, help="default: the model's pad id, else the end id")
+    parser.add_argument("--kv-cache-free-gpu-mem-fraction", type=float, default=0.9)
+    parser.add_argument("--max-queue-delay-us", type=int, default=0)
+    parser.add_argument("--batch-scheduler-policy", default="guaranteed_no_evict",
+                        choices=("guaranteed_no_evict", "max_utilization"))
+    parser.add_argument("--bls-instances", type=int, default=None,
+                        help="concurrent requests of retrospec_spec_bls (default: the engine's max_batch_size)")
+    args = parser.parse_args(argv)
+    try:
+        config = ServingConfig(datastores=None if args.datastore is None else tuple(args.datastore),
+                               hardware="nominal", fit_step_model=False)
+        written = export_tensorrtllm_repository(
+            args.dir, args.engine_dir, config, draft_budget=args.draft_budget,
+            tensorrtllm_model_name=args.tensorrtllm_model_name, end_id=args.end_id, pad_id=args.pad_id,
+            kv_cache_free_gpu_mem_fraction=args.kv_cache_free_gpu_mem_fraction,
+            max_queue_delay_us=args.max_queue_delay_us, batch_scheduler_policy=args.batch_scheduler_policy,
+            bls_instances=args.bls_instances)
+    except ValueError as exc:
+        parser.error(str(exc))
+    for path in written:
+        print(path)
+    return 0
