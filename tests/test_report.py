@@ -1,0 +1,72 @@
+"""The benchmark report (generated from results JSON) and the GPU verify-cost benchmark's CPU behaviour."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from benchmarks import gpu_verify_cost, report
+from drafter.tree import DraftTree
+from trt_engines.base import SamplingParams, VerifyItem
+from trt_engines.llama import Transformer
+from trt_engines.torch_engine import TorchEngine
+
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 300, "max_position_embeddings": 256, "eos_token_id": 0}
+
+
+def test_headline_numbers_are_read_from_the_results(tmp_path):
+    results = {"throughput": {"summary": {"speedup_goodput_c1_grounded": 2.345, "goodput_vs_none_min": 1.01,
+                                          "goodput_vs_best_fixed_min": 0.99, "step_model_median_abs_err": 0.05,
+                                          "identical_outputs_fraction": 1.0}},
+               "simulator_validation": {"summary": {"sim_vs_measured_max_abs_err": 0.087}}}
+    rows = report.headline_rows(results)
+    table = report.headline_markdown(rows)
+    assert "grounded 2.35" in table and "8.7%" in table and "| 1.01 |" in table
+
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{report.BEGIN}\nstale table\n{report.END}\nrest\n")
+    assert report.update_readme(rows, readme)
+    text = readme.read_text()
+    assert text.startswith("intro\n") and text.endswith(f"{report.END}\nrest\n")
+    assert "stale table" not in text and "grounded 2.35" in text
+    plain = tmp_path / "PLAIN.md"
+    plain.write_text("no markers\n")
+    assert not report.update_readme(rows, plain) and plain.read_text() == "no markers\n"
+
+
+def test_a_broken_results_file_is_named(tmp_path):
+    (tmp_path / "throughput.json").write_text("{not json")
+    with pytest.raises(ValueError, match="throughput.json"):
+        report.load_results(tmp_path)
+
+
+def test_plots_come_from_the_committed_results(tmp_path):
+    results = report.load_results()
+    assert results, "the repository commits its benchmark results"
+    made = report.write_plots(results, tmp_path)
+    assert made and all((tmp_path / name).stat().st_size > 1000 for name in made)
+
+
+def test_gpu_verify_cost_without_cuda_says_so_and_writes_nothing(tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the benchmark would run for real")
+    assert gpu_verify_cost.main(["--out-dir", str(tmp_path)]) == 0
+    assert "no CUDA device" in capsys.readouterr().out
+    assert not list(tmp_path.iterdir())
+
+
+def test_random_weight_model_runs_in_the_engine():
+    model = Transformer.random(TINY, dtype=torch.float32)
+    engine = TorchEngine(model, dtype=torch.float32, device="cpu", num_blocks=16, max_context=128)
+    root = engine.add_request("r", [5, 6, 7], SamplingParams())
+    out = engine.verify([VerifyItem("r", DraftTree.chain([1, 2, 3]))])
+    assert 0 <= root < TINY["vocab_size"] and out.results[0].target_tokens.shape == (4,)
+    again = Transformer.random(TINY, dtype=torch.float32)  # seeded: the same weights every time
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
+    assert json.dumps(gpu_verify_cost.datasheet_for("NVIDIA H100 80GB HBM3")) == '"H100-SXM"'
+    assert gpu_verify_cost.datasheet_for("Tesla T4") is None
+    assert np.isfinite(out.timings["total_ms"])
