@@ -31,7 +31,10 @@ Closed loop (`observe`, called by the orchestrator after every step):
   number of steps (2, 4, ... 32) and then probes again, so a saturated batch stops paying for drafts it will not
   send, while a lone request whose drafts pay on average keeps drafting through its unlucky steps;
 - drafting cap: the next step drafts at most twice the largest tree the controller just chose (at least 8), so large
-  batches do not draft 64 nodes per request to send two.
+  batches do not draft 64 nodes per request to send two;
+- marginal cost: goodput hinges on what the speculated tokens add to a plain step, which a global least-squares fit
+  can get wrong at the current operating point. Measured / predicted time of plain steps (`plain_scale`) and of the
+  speculated part of speculating steps (`marginal_scale`) are tracked and applied to the prediction.
 """
 
 from __future__ import annotations
@@ -115,6 +118,10 @@ class BudgetController:
         self._skip_steps = 0
         self._backoff = 0
         self._gain = 0.0  # EMA of `BudgetDecision.gain` over drafted steps
+        # Measured / predicted step time of plain steps, and measured / predicted cost of the speculated tokens on
+        # top of them: the goodput decision hinges on that marginal cost, which a global fit can get wrong locally.
+        self.plain_scale = 1.0
+        self.marginal_scale = 1.0
         self._drafted_steps = 0  # no back-off during the first steps: cold caches make the first drafts slow
 
     @property
@@ -141,12 +148,21 @@ class BudgetController:
             return 0
         return min(self._next_cap, p.max_nodes_per_request)
 
-    def observe(self, decision: "BudgetDecision", *, realized_draft_tokens: float, draft_s: float, cap: int) -> None:
-        """Feed back one step: accepted draft tokens (bonus tokens excluded) and the drafting time it cost."""
+    def observe(self, decision: "BudgetDecision", *, realized_draft_tokens: float, draft_s: float, cap: int,
+                measured_s: float | None = None) -> None:
+        """Feed back one step: accepted draft tokens (bonus tokens excluded), the drafting time it cost and the
+        measured verify time."""
         if self.policy.kind != "goodput":
             return
         b = max(len(decision.nodes), 1)
         a = self.ema
+        if measured_s and measured_s > 0 and decision.no_speculation_step_s > 0:
+            base = decision.no_speculation_step_s
+            if decision.nodes.sum() == 0:
+                self.plain_scale = (1 - a) * self.plain_scale + a * float(np.clip(measured_s / base, 0.25, 4.0))
+            elif decision.predicted_step_s > base * 1.001:
+                marginal = (measured_s - self.plain_scale * base) / (decision.predicted_step_s - base)
+                self.marginal_scale = (1 - a) * self.marginal_scale + a * float(np.clip(marginal, 0.25, 8.0))
         if decision.nodes.sum() > 0:
             self._predicted_draft_tokens = (1 - a) * self._predicted_draft_tokens + a * decision.raw_draft_tokens
             self._realized_draft_tokens = (1 - a) * self._realized_draft_tokens + a * realized_draft_tokens
@@ -223,7 +239,9 @@ class BudgetController:
             model.lm_head_seconds(total),
             total,
         ], axis=1)
-        step_s = features @ model.coefficients
+        model_s = features @ model.coefficients
+        # what the speculated tokens cost on top of a plain step, corrected by what such steps measured
+        step_s = self.plain_scale * model_s[0] + self.marginal_scale * (model_s - model_s[0])
         scale = self.acceptance_scale
         expected = b + scale * np.concatenate([[0.0], np.cumsum(probs)])
         # Drafting was paid for this step already (it counts for k = 0 too), so it cannot change which k is best;
@@ -239,7 +257,7 @@ class BudgetController:
         gain = float(goodput[k] * step_s[0] / expected[0] - 1.0)
         nodes = np.bincount(owner[:k], minlength=b).astype(np.int32)
         raw = np.bincount(owner[:k], weights=probs[:k], minlength=b)
-        return nodes, float(step_s[k]), ones + scale * raw, float(raw.sum()), gain
+        return nodes, float(model_s[k]), ones + scale * raw, float(raw.sum()), gain
 
 
 def _cumcount(groups: np.ndarray) -> np.ndarray:

@@ -167,7 +167,8 @@ class Orchestrator:
             state.stats.accepted += verdict.num_accepted
             self._advance(state, verdict.accepted_nodes, verdict.new_tokens)
 
-        self.budget.observe(decision, realized_draft_tokens=realized - len(states), draft_s=draft_s, cap=cap)
+        self.budget.observe(decision, realized_draft_tokens=realized - len(states), draft_s=draft_s, cap=cap,
+                            measured_s=measured_s)
         record = StepRecord(
             batch=len(states), prefills=prefills, nodes=decision.nodes.tolist(),
             predicted_tokens=float(decision.predicted_tokens.sum()), realized_tokens=realized,

@@ -162,3 +162,17 @@ def test_drafting_that_costs_more_than_it_returns_backs_off_and_probes_again():
         assert cap > 0  # cheap drafting of strong chains never backs off
         _, decision = cheap.allocate(chain_trees(8, 0.9), context)
         cheap.observe(decision, realized_draft_tokens=decision.raw_draft_tokens, draft_s=1e-6, cap=cap)
+
+
+def test_speculated_tokens_that_cost_more_than_predicted_get_fewer_nodes():
+    model = h100_model()
+    controller = BudgetController(BudgetPolicy.parse("goodput"), model)
+    trees, context = chain_trees(32, 0.7), np.full(32, 1024)
+    _, first = controller.allocate(trees, context)
+    for _ in range(60):  # the device pays 6x the predicted cost for the speculated part of each step
+        _, d = controller.allocate(trees, context)
+        measured = d.no_speculation_step_s + 6.0 * (d.predicted_step_s - d.no_speculation_step_s)
+        controller.observe(d, realized_draft_tokens=d.raw_draft_tokens, draft_s=0.0, cap=64, measured_s=measured)
+    _, later = controller.allocate(trees, context)
+    assert controller.marginal_scale == pytest.approx(6.0, rel=0.05)
+    assert later.nodes.sum() < first.nodes.sum()
