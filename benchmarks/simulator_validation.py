@@ -26,7 +26,14 @@ from pathlib import Path
 import numpy as np
 
 from orchestrator.roofline import HardwareSpec, ModelShape
-from tools.simulate import Deployment, Workload, closed_loop_arrivals, default_drafter, model_config, simulate
+from tools.simulate import (
+    Deployment,
+    Workload,
+    closed_loop_arrivals,
+    default_drafter,
+    model_config,
+    simulate,
+)
 from tools.trajectories import load_trajectories, trajectory_path
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -39,8 +39,8 @@ Closed loop (`observe`, called by the orchestrator after every step):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np

@@ -10,16 +10,23 @@ import pytest
 from datastore import Datastore, build_from_token_docs
 from drafter.drafter import Drafter, DrafterConfig
 from drafter.tree import DraftTree
-from orchestrator.roofline import KNOWN_HARDWARE, HardwareSpec, ModelShape, StepTimeModel
+from orchestrator.roofline import (
+    KNOWN_HARDWARE,
+    HardwareSpec,
+    ModelShape,
+    StepTimeModel,
+)
 from tools.simulate import (
     Deployment,
     Workload,
     closed_loop_arrivals,
-    main as simulate_main,
     model_config,
     poisson_arrivals,
     simulate,
     trace_arrivals,
+)
+from tools.simulate import (
+    main as simulate_main,
 )
 from tools.trajectories import load_trajectories, trajectory_path
 from trt_engines.base import RequestError, SamplingParams, VerifyItem

@@ -35,7 +35,13 @@ import numpy as np
 from orchestrator.budget import BudgetController, BudgetPolicy
 from orchestrator.core import Orchestrator
 from orchestrator.request import GenerationRequest
-from orchestrator.roofline import KNOWN_HARDWARE, HardwareSpec, ModelShape, StepTimeModel, hardware
+from orchestrator.roofline import (
+    KNOWN_HARDWARE,
+    HardwareSpec,
+    ModelShape,
+    StepTimeModel,
+    hardware,
+)
 from tools.prompt_sets import PROMPT_SETS
 from tools.trajectories import Trajectory, load_trajectories, trajectory_path
 from trt_engines.simulated_engine import SimClock, SimulatedEngine

@@ -68,6 +68,19 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def check_new_request(request_id, sampling, active) -> None:
+    """What every engine checks before admitting a request: `sampling` is a SamplingParams, the id is hashable and
+    not already active. Raises RequestError (nothing changed)."""
+    if not isinstance(sampling, SamplingParams):
+        raise RequestError(request_id, f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    try:
+        hash(request_id)
+    except TypeError:
+        raise RequestError(request_id, "request ids must be hashable (str or int)") from None
+    if request_id in active:
+        raise RequestError(request_id, "already active; release it first or use a new id")
+
+
 @dataclass(frozen=True)
 class VerifyItem:
     """One request of a verify batch: its draft tree (empty tree = plain decoding step)."""

@@ -33,6 +33,7 @@ from trt_engines.base import (
     VerifyItem,
     VerifyOutput,
     VerifyResult,
+    check_new_request,
 )
 
 
@@ -113,10 +114,9 @@ class SimulatedEngine:
     # ---- lifecycle ------------------------------------------------------------------------------------------
     def add_request(self, request_id, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams()) -> int:
         started = time.perf_counter()
+        check_new_request(request_id, sampling, self._requests)
         if not sampling.greedy:
             raise RequestError(request_id, "the simulator replays greedy trajectories: use temperature 0")
-        if request_id in self._requests:
-            raise RequestError(request_id, "already active; release it first or use a new id")
         key = tuple(int(t) for t in prompt_ids)
         output = self._outputs.get(key)
         if output is None:

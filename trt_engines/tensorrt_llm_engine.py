@@ -73,6 +73,7 @@ from trt_engines.base import (
     VerifyItem,
     VerifyOutput,
     VerifyResult,
+    check_new_request,
 )
 from trt_engines.trtllm_build import (
     INSTALL_HINT,
@@ -291,17 +292,10 @@ class TensorRTLLMEngine:
     # ---- lifecycle --------------------------------------------------------------------------------------------
 
     def add_request(self, request_id, prompt_ids: Sequence[int], sampling: SamplingParams = _GREEDY) -> int:
-        if not isinstance(sampling, SamplingParams):
-            raise RequestError(request_id, f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        check_new_request(request_id, sampling, self._requests)
         if not sampling.greedy:
             raise RequestError(request_id, "TensorRTLLMEngine verifies greedy requests only (temperature 0); use "
                                "TorchEngine for sampled speculation")
-        try:
-            hash(request_id)
-        except TypeError:
-            raise RequestError(request_id, "request ids must be hashable (str or int)") from None
-        if request_id in self._requests:
-            raise RequestError(request_id, "already active; release it first or use a new id")
         prompt = self._check_ids(request_id, prompt_ids, "prompt")
         if not prompt:
             raise RequestError(request_id, "empty prompt; pass at least one token (e.g. the BOS token)")

@@ -38,6 +38,7 @@ from trt_engines.base import (
     VerifyItem,
     VerifyOutput,
     VerifyResult,
+    check_new_request,
 )
 from trt_engines.kv_cache import PagedKVCache
 from trt_engines.llama import Transformer
@@ -207,14 +208,7 @@ class TorchEngine:
     @torch.inference_mode()
     def add_request(self, request_id, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams()) -> int:
         """Prefill `prompt_ids` and return the first generated token (the root of the first verify)."""
-        if not isinstance(sampling, SamplingParams):
-            raise RequestError(request_id, f"sampling must be a SamplingParams, got {type(sampling).__name__}")
-        try:
-            hash(request_id)
-        except TypeError:
-            raise RequestError(request_id, "request ids must be hashable (str or int)") from None
-        if request_id in self._requests:
-            raise RequestError(request_id, "already active; release it first or use a new id")
+        check_new_request(request_id, sampling, self._requests)
         prompt = self._check_ids(request_id, prompt_ids, "prompt")
         if len(prompt) == 0:
             raise RequestError(request_id, "empty prompt; pass at least one token (e.g. the BOS token)")
