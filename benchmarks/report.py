@@ -130,6 +130,14 @@ def _plt():
     return plt
 
 
+def _save(fig, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot_step_time(path: Path, results: dict[str, dict]) -> bool:
     from orchestrator.roofline import HardwareSpec, ModelShape, StepTimeModel
     from tools.simulate import model_config
@@ -163,9 +171,7 @@ def plot_step_time(path: Path, results: dict[str, dict]) -> bool:
         ax.set_ylabel("predicted step ms")
         ax.set_title(title, fontsize=9)
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
     return True
 
 
@@ -192,9 +198,7 @@ def plot_latency_vs_rate(path: Path, results: dict[str, dict]) -> bool:
         ax.set_title(title, fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
     return True
 
 
@@ -216,9 +220,7 @@ def plot_sim_vs_measured(path: Path, results: dict[str, dict]) -> bool:
     ax.set_ylabel("simulated tok/s")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
     return True
 
 

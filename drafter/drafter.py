@@ -128,7 +128,7 @@ class Drafter:
     def draft_detailed(self, batch: Sequence[tuple[Hashable, int]]) -> list[DraftResult]:
         """Like `draft`, plus raw scores and match lengths per node (for calibration logging)."""
         cfg = self.config
-        seqs, budgets = self._check_batch(batch)
+        seqs, slots, budgets = self._check_batch(batch)
         B = len(seqs)
         use_input = cfg.sources != "datastore"
         if cfg.sources != "input" and B:
@@ -149,7 +149,6 @@ class Drafter:
         o_mlen = np.empty((B, cap), np.int32)
         o_n = np.zeros(B, np.int64)
         tables = self._index.tables
-        slots = np.array([self._index.slot(rid) for rid, _ in batch], np.int64)
         n_seq = tables.n[slots] if use_input else np.zeros(B, np.int64)
         kernel = fuse_batch_parallel if B >= PARALLEL_MIN_BATCH else fuse_batch_serial
         t = tables.lists
@@ -172,7 +171,7 @@ class Drafter:
 
     # ---- internals -------------------------------------------------------------------------------------------
     def _check_batch(self, batch):
-        seqs, budgets, seen = [], [], set()
+        seqs, slots, budgets, seen = [], [], [], set()
         for item in batch:
             try:
                 rid, budget = item
@@ -189,8 +188,9 @@ class Drafter:
                 raise ValueError(f"request {rid!r} appears twice in the batch")
             seen.add(rid)
             seqs.append(self._index._get(rid))
+            slots.append(self._index.slot(rid))
             budgets.append(int(budget))
-        return seqs, budgets
+        return seqs, np.asarray(slots, np.int64), budgets
 
     def _ds_source_empty(self, B: int):
         empty = DatastoreSource([], query_len=self.config.query_len)

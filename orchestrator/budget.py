@@ -126,7 +126,7 @@ class BudgetController:
 
     @property
     def acceptance_scale(self) -> float:
-        """Realized / predicted accepted draft tokens over recent steps (1 until enough drafts were verified)."""
+        """Realized / predicted accepted draft tokens over recent steps (starts at 1: both averages share a prior)."""
         return float(np.clip(self._realized_draft_tokens / self._predicted_draft_tokens, 0.5, 1.5))
 
     @property
@@ -244,8 +244,8 @@ class BudgetController:
         step_s = self.plain_scale * model_s[0] + self.marginal_scale * (model_s - model_s[0])
         scale = self.acceptance_scale
         expected = b + scale * np.concatenate([[0.0], np.cumsum(probs)])
-        # Drafting was paid for this step already (it counts for k = 0 too), so it cannot change which k is best;
-        # it decides whether drafting pays at all (`gain`), which steers the next steps' drafting.
+        # Drafting is part of this step's time (already spent, also for k = 0), so it stays in the denominator;
+        # `gain` compares the result with plain decoding that drafts nothing, which steers the next steps' drafting.
         draft_s = self.draft_s_per_request * b
         goodput = expected / (step_s + draft_s)
         if tpot_s is not None and np.isfinite(tpot_s).any():
