@@ -87,6 +87,27 @@ def grid(engine: TorchEngine, *, budget_s: float, contexts, batches, nodes) -> t
     return rows, skipped
 
 
+def paired_steps(engine: TorchEngine, *, ctx: int, nodes: tuple[int, ...], rounds: int) -> dict[int, list[float]]:
+    """Step times (total_ms) of one request at `ctx` for each tree size, measured in interleaved rounds.
+
+    Each round times every size once (order rotating), so a burst of background load lands on all sizes of a round
+    alike: the per-round ratios are what the headline reports, not ratios of medians taken minutes apart.
+    """
+    rng = np.random.default_rng(2)
+    for rid in list(engine.requests):
+        engine.release(rid)
+    engine.add_synthetic_request("paired", ctx)
+    items = {n: [VerifyItem("paired", _tree(n, rng))] for n in nodes}
+    for n in nodes:
+        engine.verify(items[n])  # warm-up
+    times: dict[int, list[float]] = {n: [] for n in nodes}
+    for r in range(rounds):
+        for n in nodes[r % len(nodes):] + nodes[: r % len(nodes)]:
+            times[n].append(engine.verify(items[n]).timings["total_ms"])
+    engine.release("paired")
+    return times
+
+
 def decode_throughput(dtype: torch.dtype, prompts: list[list[int]], max_new: int) -> dict:
     from transformers import LlamaForCausalLM
 
@@ -136,6 +157,7 @@ def main() -> None:
     kw = dict(contexts=(512,), batches=(1,), nodes=(0, 1, 8, 32)) if args.quick else dict(
         contexts=CONTEXTS, batches=BATCHES, nodes=NODES
     )
+    paired = paired_steps(engine, ctx=512, nodes=(0, 1, 8, 32), rounds=9 if args.quick else 41)
     rows, skipped = grid(engine, budget_s=args.budget_s, **kw)
     # fp32 for the headline point only, to report whether bf16 pays on this CPU
     fp32 = TorchEngine("default", dtype=torch.float32, num_blocks=64)
@@ -144,17 +166,19 @@ def main() -> None:
     def at(rs, b, n, c):
         return next((r["step_ms"] for r in rs if (r["batch"], r["nodes"], r["ctx"]) == (b, n, c)), None)
 
-    plain, v8 = at(rows, 1, 0, 512), at(rows, 1, 8, 512)
+    med = {n: statistics.median(ts) for n, ts in paired.items()}
+    ratio8 = statistics.median(a / b for a, b in zip(paired[8], paired[0]))
     summary = {
         "ar_tokens_per_s": decode["bf16"]["ours_tokens_per_s"],
         "hf_generate_tokens_per_s": decode["bf16"]["hf_tokens_per_s"],
         "ar_tokens_per_s_fp32": decode["fp32"]["ours_tokens_per_s"],
         "hf_generate_tokens_per_s_fp32": decode["fp32"]["hf_tokens_per_s"],
-        "plain_step_ms_b1_ctx512": plain,
-        "step_ms_b1_n1_ctx512": at(rows, 1, 1, 512),
-        "step_ms_b1_n8_ctx512": v8,
-        "step_ms_b1_n32_ctx512": at(rows, 1, 32, 512),
-        "verify8_over_plain_b1_ctx512": v8 / plain if plain and v8 else None,
+        "plain_step_ms_b1_ctx512": med[0],
+        "step_ms_b1_n1_ctx512": med[1],
+        "step_ms_b1_n8_ctx512": med[8],
+        "step_ms_b1_n32_ctx512": med[32],
+        "verify8_over_plain_b1_ctx512": ratio8,
+        "paired_rounds": len(paired[0]),
         "fp32_plain_step_ms_b1_ctx512": at(fp32_rows, 1, 0, 512),
         "fp32_step_ms_b1_n8_ctx512": at(fp32_rows, 1, 8, 512),
     }
@@ -168,7 +192,7 @@ def main() -> None:
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "verify_cost.json").write_text(json.dumps(
-        {"summary": summary, "meta": meta, "decode": decode, "grid": rows, "fp32_grid": fp32_rows, "skipped": skipped},
+        {"summary": summary, "meta": meta, "decode": decode, "paired_b1_ctx512": paired, "grid": rows, "fp32_grid": fp32_rows, "skipped": skipped},
         indent=2,
     ))
     (RESULTS / "verify_cost.md").write_text(_markdown(summary, meta, rows, skipped))
@@ -181,8 +205,10 @@ def _markdown(summary: dict, meta: dict, rows: list[dict], skipped: list[str]) -
         "# verify_cost: TorchEngine step time (bf16, CPU) and plain decoding vs transformers generate", "",
         f"Model {meta['model']}, {meta['dtype']} on {meta['device']} ({meta['cpu']}), {meta['threads']} threads, "
         f"torch {meta['torch']}. Nodes = draft-tree nodes per request (each request feeds root + nodes tokens; "
-        "0 = plain decoding step). Medians of up to 5 calls after a warm-up (decoding: median over 5 prompts); the machine is shared with other jobs, "
-        "so expect noise of 10-30%.", "",
+        "0 = plain decoding step). Grid: medians of up to 5 calls after a warm-up (decoding: median over 5 prompts); the "
+        "machine is shared with other jobs, so expect noise of 10-30% between grid points. The summary's batch-1 "
+        f"ctx-512 step times come from {summary['paired_rounds']} interleaved rounds (every tree size once per round, "
+        "order rotating); the verify-8 ratio is the median of the per-round ratios.", "",
         "## Summary", "", "| key | value |", "|---|---|",
         *[f"| {k} | {fmt(v)} |" for k, v in summary.items()], "",
         "## Goals", "",
@@ -191,10 +217,9 @@ def _markdown(summary: dict, meta: dict, rows: list[dict], skipped: list[str]) -
         f"- verifying 8 nodes at batch 1 <= 1.3x a plain step (ctx 512): "
         f"{'met' if summary['goal_verify8_le_1p3_plain'] else 'MISSED'} (ratio {fmt(summary['verify8_over_plain_b1_ctx512'])})"
         + ("" if summary["goal_verify8_le_1p3_plain"] else
-           ". Where it is missed, the extra time is the tree path: SDPA with an explicit mask over 9 tokens x 3 "
-           "query heads per KV head instead of the mask-free single-row decode path, GEMMs of 9 rows instead of "
-           "GEMVs, and the fp32 RoPE/RMSNorm on 9 rows; run-to-run noise on this shared 2-core machine is of the "
-           "same order as the gap (compare the ctx 128 row).") + ".",
+           ". Where it is missed, the extra time is the tree path: SDPA with a mask over 9 tokens x 3 query heads "
+           "per KV head instead of the mask-free single-row decode path, GEMMs of 9 rows instead of GEMVs, and the "
+           "fp32 RoPE/RMSNorm on 9 rows") + ".",
         f"- bf16 vs fp32 on this CPU: plain step {fmt(summary['plain_step_ms_b1_ctx512'])} vs "
         f"{fmt(summary['fp32_plain_step_ms_b1_ctx512'])} ms; 8 nodes {fmt(summary['step_ms_b1_n8_ctx512'])} vs "
         f"{fmt(summary['fp32_step_ms_b1_n8_ctx512'])} ms; decoding {fmt(summary['ar_tokens_per_s'])} vs "

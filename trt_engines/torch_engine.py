@@ -4,7 +4,7 @@ One `verify` = one forward for the whole batch. Every request contributes the se
 segments are packed along the token axis for every linear layer (no padding). Attention is the only per-request
 part: each request reads its cached context plus its own new tokens, through a mask in which every node sees the
 context, the root, its ancestors and itself (`DraftTree.attention_mask`). That part runs as one padded SDPA call
-over the batch (queries padded to the largest segment, keys to the longest context).
+over the batch (queries padded to the largest segment, keys to the longest context, gathered block by block).
 
 KV bookkeeping for one request with `ctx_len` cached tokens and a tree of n nodes:
 
@@ -69,37 +69,46 @@ class _Segment:
 class _PagedAttention:
     """Attention fn for one packed forward over `segments` (see `trt_engines.llama.AttentionFn`).
 
-    Built once per forward (index and mask tensors), then called once per layer: write the new K/V into their
-    slots, gather each request's [context + new] K/V into a padded batch, one SDPA with the combined mask.
+    Built once per forward (index tensors, mask, gather buffer), then called once per layer: write the new K/V
+    into their slots, gather each request's blocks [context + new] into a padded batch, one SDPA with the mask.
+    The gather copies whole blocks (one index per block, not per token) into a buffer reused by every layer:
+    per-token gathers into fresh tensors cost more than the attention itself on CPU.
     """
 
-    def __init__(self, cache: PagedKVCache, segments: Sequence[_Segment], *, group: int, device: torch.device):
+    def __init__(self, cache: PagedKVCache, segments: Sequence[_Segment], *, group: int, dtype: torch.dtype,
+                 device: torch.device):
         self.cache, self.group = cache, group
-        B = len(segments)
+        B, bs = len(segments), cache.block_size
         lens = [len(s.tokens) for s in segments]
-        self.B, self.Tq = B, max(lens)
-        self.L = max(s.ctx_len + n for s, n in zip(segments, lens))
-        write, gather = [], np.zeros((B, self.L), np.int64)  # pad keys with flat slot 0, masked out below
+        used = [s.ctx_len + n for s, n in zip(segments, lens)]
+        self.B, self.Tq, self.L = B, max(lens), max(used)
+        n_blocks = -(-self.L // bs)
+        blocks = np.zeros((B, n_blocks), np.int64)  # pad with block 0; its keys are masked out below
+        write = []
         mask = np.zeros((B, self.Tq, self.L), bool)
         for b, (s, n) in enumerate(zip(segments, lens)):
-            slots = cache.flat_slots(s.request_id, 0, s.ctx_len + n)
-            write.append(slots[s.ctx_len :])
-            gather[b, : s.ctx_len + n] = slots
+            table = cache.tables[s.request_id]
+            blocks[b, : -(-(s.ctx_len + n) // bs)] = table[: -(-(s.ctx_len + n) // bs)]
+            write.append(cache.flat_slots(s.request_id, s.ctx_len, s.ctx_len + n))
             mask[b, :n, : s.ctx_len] = True
             mask[b, :n, s.ctx_len : s.ctx_len + n] = s.local_mask
             mask[b, n:, 0] = True  # padded query rows: see one key so softmax stays finite; rows are dropped
         self.write = torch.as_tensor(np.concatenate(write), device=device)
-        self.gather = torch.as_tensor(gather.reshape(-1), device=device)
+        self.blocks = torch.as_tensor(blocks.reshape(-1), device=device)
+        pool = cache.pool
+        self.buffer = torch.empty((2, B * n_blocks) + tuple(pool.shape[3:]), dtype=pool.dtype, device=device)
+        self.rows = self.buffer.view(2, B * n_blocks, -1)
         self.padded = not all(n == self.Tq for n in lens)
         if self.padded:
             dest = np.concatenate([b * self.Tq + np.arange(n) for b, n in enumerate(lens)])
             self.dest = torch.as_tensor(dest, device=device)
         if mask.all():
-            self.mask = None  # plain decoding of one request: everything visible
+            self.mask = None  # plain decoding at equal context lengths: everything visible
         else:
-            m = torch.as_tensor(mask, device=device)[:, None, None]  # [B, 1, 1, Tq, L]
+            # Additive mask in the compute dtype, made once: a bool mask would be converted inside every layer's SDPA.
+            m = torch.zeros(mask.shape, dtype=dtype).masked_fill_(torch.as_tensor(~mask), -math.inf).to(device)
             # GQA: the `group` query heads sharing a KV head are stacked along the query axis (see __call__).
-            self.mask = m.expand(B, 1, group, self.Tq, self.L).reshape(B, 1, group * self.Tq, self.L)
+            self.mask = m[:, None, None].expand(B, 1, group, self.Tq, self.L).reshape(B, 1, group * self.Tq, self.L)
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         B, Tq, L, g = self.B, self.Tq, self.L, self.group
@@ -108,13 +117,15 @@ class _PagedAttention:
         kf, vf = self.cache.flat(layer, 0), self.cache.flat(layer, 1)
         kf.index_copy_(0, self.write, k.to(kf.dtype))
         vf.index_copy_(0, self.write, v.to(vf.dtype))
-        keys = kf.index_select(0, self.gather).view(B, L, KV, D).transpose(1, 2)  # [B, KV, L, D]
-        values = vf.index_select(0, self.gather).view(B, L, KV, D).transpose(1, 2)
+        for kind in (0, 1):  # whole blocks as rows of [num_blocks, block_size * KV * D]: one memcpy per block
+            pool = self.cache.pool[layer, kind]
+            torch.index_select(pool.view(pool.shape[0], -1), 0, self.blocks, out=self.rows[kind])
+        kv = self.buffer.view(2, B, -1, KV, D)[:, :, :L].transpose(2, 3)  # [2, B, KV, L, D]
         if self.padded:
             q = q.new_zeros(B * Tq, H, D).index_copy_(0, self.dest, q)
         # [B, Tq, KV, g, D] -> [B, KV, g * Tq, D]: no K/V repeat needed for GQA.
         q = q.view(B, Tq, KV, g, D).permute(0, 2, 3, 1, 4).reshape(B, KV, g * Tq, D)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask)
+        out = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=self.mask)
         out = out.view(B, KV, g, Tq, D).permute(0, 3, 1, 2, 4).reshape(B * Tq, H * D)
         return out.index_select(0, self.dest) if self.padded else out
 
@@ -410,19 +421,21 @@ class TorchEngine:
     def _forward(self, segments: Sequence[_Segment]) -> Tensor:
         tokens = torch.as_tensor(np.concatenate([s.tokens for s in segments]), device=self.device)
         positions = torch.as_tensor(np.concatenate([s.positions for s in segments]), device=self.device)
-        attention = _PagedAttention(self.kv, segments, group=self.args.group_size, device=self.device)
+        attention = _PagedAttention(self.kv, segments, group=self.args.group_size, dtype=self.dtype, device=self.device)
         return self.model(tokens, positions, attention)
 
     def _sample(self, segments: Sequence[_Segment], logits: Tensor) -> list[np.ndarray]:
-        rows = logits.split([len(s.tokens) for s in segments])
-        out: list[np.ndarray | None] = [None] * len(segments)
-        greedy = [i for i, s in enumerate(segments) if self._requests[s.request_id].sampling.greedy]
-        if greedy:  # one argmax over all greedy rows
-            picked = torch.cat([rows[i] for i in greedy]).argmax(dim=-1).to(torch.int32).cpu().numpy()
-            for i, part in zip(greedy, np.split(picked, np.cumsum([len(segments[i].tokens) for i in greedy])[:-1])):
-                out[i] = part
-        for i, s in enumerate(segments):
-            if out[i] is None:
-                req = self._requests[s.request_id]
-                out[i] = sample_tokens(rows[i], req.sampling, req.generator).to(torch.int32).cpu().numpy()
-        return out  # type: ignore[return-value]
+        """Target tokens per segment from fp32 `logits` [tokens, vocab]: one argmax over all rows when every request
+        is greedy (the common case, no copy of the logits), else row group by row group."""
+        sizes = [len(s.tokens) for s in segments]
+        requests = [self._requests[s.request_id] for s in segments]
+        if all(r.sampling.greedy for r in requests):
+            picked = logits.argmax(dim=-1).to(torch.int32).cpu().numpy()
+            return np.split(picked, np.cumsum(sizes)[:-1])
+        out = []
+        for rows, req in zip(logits.split(sizes), requests):
+            if req.sampling.greedy:
+                out.append(rows.argmax(dim=-1).to(torch.int32).cpu().numpy())
+            else:
+                out.append(sample_tokens(rows, req.sampling, req.generator).to(torch.int32).cpu().numpy())
+        return out
