@@ -169,8 +169,8 @@ def write_markdown(result: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rates", type=float, nargs="+", default=[0.1, 0.5, 2.0], help="requests per second")
-    parser.add_argument("--requests", type=int, nargs="+", default=[6, 10, 20], help="requests per rate")
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--requests", type=int, nargs="+", default=[8, 10, 20], help="requests per rate")
+    parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--tpot-ms", type=float, default=150.0, help="the stated TPOT objective")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--out", default="serving")

@@ -82,7 +82,7 @@ def write_markdown(path: Path, result: dict) -> None:
         "# Simulator validation: simulated vs measured CPU throughput",
         "",
         f"Command: `{result['command']}` on {result['machine']}. Source: `{result['source']}` (each measured row "
-        "is the fastest of its rounds). Simulated: same prompts, policy, cap and token limit through the real "
+        "is timed on its policy's own clock: the policies of a (set, cap) ran side by side, step by step). Simulated: same prompts, policy, cap and token limit through the real "
         "orchestrator and drafter over `SimulatedEngine` (step-time model fitted on that run's verify steps; host "
         "work charged as measured here).",
         "",

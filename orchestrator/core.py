@@ -3,7 +3,8 @@
 One `step()`:
 
     admit    waiting requests, FIFO, while the engine has KV blocks for prompt + max_tokens (prefill)
-    draft    one `Drafter.draft` call for every running request at the policy's cap (failures -> plain decoding)
+    draft    one `Drafter.draft` call for every running request at the policy's cap (a failure, or a call slower
+             than `draft_timeout_s`, makes this step plain decoding; counted in `drafter_fallbacks`)
     budget   the controller prunes the trees (goodput / roofline / fixed / none)
     verify   one engine forward for the whole batch
     accept   longest matching path + bonus token per request; commit its KV; feed the tokens back to the drafter
@@ -19,6 +20,8 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -80,6 +83,7 @@ class Orchestrator:
         max_running: int = 32,
         keep_step_records: int = 100_000,
         clock: Callable[[], float] = time.perf_counter,
+        draft_timeout_s: float | None = None,
     ) -> None:
         self.engine = engine
         self.drafter = drafter
@@ -90,7 +94,16 @@ class Orchestrator:
         self.waiting: deque[tuple[str, GenerationRequest, OutputCallback | None]] = deque()
         self.running: dict[str, _Running] = {}
         self.records: deque[StepRecord] = deque(maxlen=keep_step_records)
-        self.drafter_fallbacks = 0
+        self.drafter_fallbacks = 0  # request-steps decoded plainly because drafting failed or timed out
+        self.drafter_timeouts = 0  # of which timed out
+        if draft_timeout_s is not None and not draft_timeout_s > 0:
+            raise ValueError(f"draft_timeout_s must be > 0 (or None for no timeout); got {draft_timeout_s}")
+        self.draft_timeout_s = draft_timeout_s
+        # With a timeout, drafting runs on one worker thread so the step can go on without it. A late draft call
+        # keeps running there (its trees are dropped), and the drafter's state must not change under it: every
+        # drafter update waits for it first (`_drafter_idle`), which overlaps the wait with the verify forward.
+        self._draft_pool = ThreadPoolExecutor(1, thread_name_prefix="drafter") if draft_timeout_s else None
+        self._late_draft: Future | None = None
         self._ids = itertools.count()
         # KV admission ledger: blocks reserved for each running request's whole life (prompt + max_tokens + the
         # temporary slots of the largest tree), so lazily-allocating engines can never run out mid-generation.
@@ -128,6 +141,7 @@ class Orchestrator:
         state = self.running.get(request_id)
         if state is None:
             return False
+        self._drafter_idle()
         self._finish(state, FinishReason.CANCELLED)
         return True
 
@@ -139,6 +153,7 @@ class Orchestrator:
     def step(self) -> StepRecord | None:
         started = time.perf_counter()
         self._prefills = []
+        self._drafter_idle()
         prefills = self._admit()
         if not self.running:
             return None
@@ -157,6 +172,7 @@ class Orchestrator:
         # The whole verify call (input packing and sampling included) is what a step costs the batch.
         measured_s = verify.timings.get("total_ms", verify.timings.get("forward_ms", 0.0)) / 1e3
         self.budget.step_model.observe(1.0 + decision.nodes, context, measured_s)
+        self._drafter_idle()  # the drafter is updated below
 
         realized = 0
         for state, tree, result in zip(states, trees, verify.results):
@@ -229,13 +245,28 @@ class Orchestrator:
     def _draft(self, states: list[_Running], cap: int) -> tuple[list[DraftTree], int]:
         if cap <= 0:
             return [DraftTree.empty() for _ in states], 0
+        batch = [(s.request_id, cap) for s in states]
         try:
-            return list(self.drafter.draft([(s.request_id, cap) for s in states])), 0
+            if self._draft_pool is None:
+                return list(self.drafter.draft(batch)), 0
+            future = self._draft_pool.submit(self.drafter.draft, batch)
+            try:
+                return list(future.result(timeout=self.draft_timeout_s)), 0
+            except FutureTimeout:
+                self._late_draft = future
+                self.drafter_timeouts += len(states)
         except Exception:  # a drafter failure must never lose a request: this step decodes plainly
-            self.drafter_fallbacks += len(states)
-            for s in states:
-                s.stats.fallbacks += 1
-            return [DraftTree.empty() for _ in states], len(states)
+            pass
+        self.drafter_fallbacks += len(states)
+        for s in states:
+            s.stats.fallbacks += 1
+        return [DraftTree.empty() for _ in states], len(states)
+
+    def _drafter_idle(self) -> None:
+        """Wait for a timed-out draft call still running on the worker (its result, or error, is dropped)."""
+        if self._late_draft is not None:
+            late, self._late_draft = self._late_draft, None
+            late.exception()  # waits; a late failure changes nothing: that step already decoded plainly
 
     def _advance(self, state: _Running, accepted_nodes: np.ndarray, new_tokens: np.ndarray) -> None:
         tokens = [int(t) for t in new_tokens]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import sysconfig
+import time
 from pathlib import Path
 
 import numpy as np
@@ -71,11 +72,12 @@ def reference(engine, prompt_ids) -> list[list[int]]:
     return outputs
 
 
-def make_orchestrator(engine, datastore, policy: str, *, tokenizer=None, max_running=4, drafter=None):
+def make_orchestrator(engine, datastore, policy: str, *, tokenizer=None, max_running=4, drafter=None,
+                      draft_timeout_s=None):
     drafter = drafter or Drafter(DrafterConfig(), datastores=[datastore])
     model = StepTimeModel(ModelShape.from_config(default_model_dir()), CPU, dtype="float32")
     return Orchestrator(engine, drafter, BudgetController(BudgetPolicy.parse(policy), model),
-                        tokenizer=tokenizer, max_running=max_running)
+                        tokenizer=tokenizer, max_running=max_running, draft_timeout_s=draft_timeout_s)
 
 
 def run_all(orchestrator, requests) -> dict[str, dict]:
@@ -202,6 +204,41 @@ def test_drafter_failure_falls_back_to_plain_decoding(engine, datastore, prompt_
     assert [r["tokens"] for r in results.values()] == reference
     assert orchestrator.drafter_fallbacks > 0
     assert sum(r["stats"].fallbacks for r in results.values()) == orchestrator.drafter_fallbacks
+
+
+class SlowDrafter(Drafter):
+    """A real drafter whose every third call finishes late (it sleeps first, then drafts and updates nothing)."""
+
+    calls = None
+    busy = False
+
+    def draft(self, batch):
+        self.busy = True
+        try:
+            if self.calls is not None:
+                self.calls += 1
+                if self.calls % 3 == 0:
+                    time.sleep(0.3)
+            return super().draft(batch)
+        finally:
+            self.busy = False
+
+    def extend(self, request_id, accepted_ids):
+        assert not self.busy, "the drafter's state changed while a draft call was running"
+        return super().extend(request_id, accepted_ids)
+
+
+def test_drafter_timeout_falls_back_and_never_races_the_late_call(engine, datastore, prompt_ids, reference):
+    slow = SlowDrafter(DrafterConfig(), datastores=[datastore])
+    slow.calls = 0
+    orchestrator = make_orchestrator(engine, datastore, "fixed:8", drafter=slow, draft_timeout_s=0.1)
+    results = run_all(orchestrator, [GenerationRequest(prompt_ids=p, max_tokens=24) for p in prompt_ids])
+    assert [r["tokens"] for r in results.values()] == reference
+    assert 0 < orchestrator.drafter_timeouts <= orchestrator.drafter_fallbacks
+    assert sum(r["stats"].fallbacks for r in results.values()) == orchestrator.drafter_fallbacks
+    assert sum(r["stats"].accepted for r in results.values()) > 0  # the punctual calls still speculated
+    with pytest.raises(ValueError, match="draft_timeout_s"):
+        make_orchestrator(engine, datastore, "fixed:8", draft_timeout_s=0)
 
 
 def test_bad_requests_are_refused_and_change_nothing(engine, datastore, prompt_ids):

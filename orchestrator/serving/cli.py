@@ -28,6 +28,8 @@ def _config_args(parser: argparse.ArgumentParser) -> None:
                    "(H100-SXM, ...) or a profile JSON")
     g.add_argument("--no-fit", action="store_true", help="skip the start-up fit of the step-time model")
     g.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    g.add_argument("--draft-timeout-ms", type=float, default=None,
+                   help="a drafting call slower than this makes its step plain decoding (default: no timeout)")
 
 
 def _config(args):
@@ -37,7 +39,8 @@ def _config(args):
                          num_blocks=args.num_blocks, max_context=args.max_context,
                          datastores=None if args.datastore is None else tuple(args.datastore), policy=args.policy,
                          max_running=args.max_running, hardware=args.hardware, fit_step_model=not args.no_fit,
-                         max_body_bytes=args.max_body_bytes)
+                         max_body_bytes=args.max_body_bytes,
+                         draft_timeout_s=None if args.draft_timeout_ms is None else args.draft_timeout_ms / 1e3)
 
 
 def serve_main(argv: Sequence[str]) -> int:

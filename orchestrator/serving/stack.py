@@ -58,6 +58,7 @@ class ServingConfig:
     torch_threads: int | None = None
     max_body_bytes: int = 1 << 20  # HTTP bodies above this are refused with 413
     draft_idle_timeout_s: float = 300.0  # retrospec_draft sessions without a call for this long are released
+    draft_timeout_s: float | None = None  # a drafting call slower than this makes its step plain decoding
 
     def __post_init__(self) -> None:
         BudgetPolicy.parse(self.policy)  # raises a clear ValueError on a typo
@@ -67,6 +68,8 @@ class ServingConfig:
             raise ValueError(f"max_body_bytes must be >= 1024; got {self.max_body_bytes}")
         if self.draft_idle_timeout_s <= 0:
             raise ValueError(f"draft_idle_timeout_s must be > 0; got {self.draft_idle_timeout_s}")
+        if self.draft_timeout_s is not None and not self.draft_timeout_s > 0:
+            raise ValueError(f"draft_timeout_s must be > 0 (or None: no timeout); got {self.draft_timeout_s}")
 
 
 class MeteredOrchestrator(Orchestrator):
@@ -132,7 +135,8 @@ class ServingStack:
         metrics = ServingMetrics()
         tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         orchestrator = MeteredOrchestrator(engine, drafter, BudgetController(policy, step_model), tokenizer=tokenizer,
-                                           max_running=config.max_running, metrics=metrics)
+                                           max_running=config.max_running, metrics=metrics,
+                                           draft_timeout_s=config.draft_timeout_s)
         metrics.free_kv_blocks.set(engine.free_blocks())
         runner = OrchestratorRunner(orchestrator).start()
         return cls(config, engine, drafter, orchestrator, runner, tokenizer, metrics, model_dir)
