@@ -155,11 +155,12 @@ def run(sets: list[str], caps: list[int], policies: list[str], *, prompts_per_ca
     longest = max(len(t.prompt_ids) for name in sets for t in load_trajectories(trajectory_path(name, "eval")))
     num_blocks = len(policies) * max(caps) * -(-(longest + max_tokens + 65) // 16) + 64
     engine, drafter, step_model, fit_error = build_stack(torch.bfloat16, num_blocks=num_blocks, window=1 << 20)
-    rows, divergences, all_errors, prefills = [], [], [], []
+    rows, divergences, all_errors, prefills, group_fits = [], [], [], [], []
     for set_name in sets:
         trajectories = load_trajectories(trajectory_path(set_name, "eval"))
         for cap in caps:
             prompts = [t.prompt_ids for t in trajectories[: prompts_per_cap(cap)]]
+            steps_before, prefills_before = len(step_model.samples()), len(prefills)
             runs: dict[str, list[dict]] = {p: [] for p in policies}
             for r in range(rounds):
                 order = policies[r % len(policies):] + policies[: r % len(policies)]
@@ -188,6 +189,8 @@ def run(sets: list[str], caps: list[int], policies: list[str], *, prompts_per_ca
                       f"tau={row['tau']:.2f} speedup={row['speedup']:.2f} p90={row['latency_p90_s']:.1f}s "
                       f"rounds={[round(x) for x in row['tokens_per_s_rounds']]}", flush=True)
             rows += group
+            group_fits.append(_group_fit(step_model, set_name, cap, step_model.samples()[steps_before:],
+                                         prefills[prefills_before:]))
     # One fit over every verify step of the run, and one over every prefill: what `retrospec simulate` uses to
     # replay this run (prefills are compute-bound and have their own constants).
     step_model.fit_samples(step_model.samples())
@@ -196,11 +199,23 @@ def run(sets: list[str], caps: list[int], policies: list[str], *, prompts_per_ca
     identity = identity_check(sets, policies, identity_prompts, max_tokens=min(max_tokens, 48))
     return {"rows": rows, "bf16_divergences": divergences, "step_fit_error": fit_error,
             "step_model_median_abs_err": float(np.median(all_errors)) if all_errors else None,
-            "identity": identity, "rounds": rounds,
+            "identity": identity, "rounds": rounds, "group_fits": group_fits,
             "hardware": dataclasses.asdict(step_model.hardware),
             "step_model": {"dtype": step_model.dtype, "coefficients": step_model.coefficients.tolist(),
                            "features": list(FEATURES), "fitted_on_steps": len(step_model.samples())},
             "prefill_model": {"coefficients": prefill_model.coefficients.tolist(), "fitted_on_prefills": len(prefills)}}
+
+
+def _group_fit(step_model: StepTimeModel, set_name: str, cap: int, samples, prefills) -> dict:
+    """Step-time and prefill fits over one (set, cap) group's steps (all its policies ran side by side, so they saw
+    the same machine): the simulator validation replays each group with its own fit, because this shared machine's
+    speed drifts over a run of the whole benchmark."""
+    steps = StepTimeModel(step_model.shape, step_model.hardware, dtype=step_model.dtype)
+    steps.fit_samples(samples)
+    prefill = StepTimeModel(step_model.shape, step_model.hardware, dtype=step_model.dtype)
+    prefill.fit([(np.array([float(n)]), np.zeros(1), t) for n, t in prefills])
+    return {"set": set_name, "cap": cap, "steps": len(samples), "prefills": len(prefills),
+            "step_model": steps.coefficients.tolist(), "prefill_model": prefill.coefficients.tolist()}
 
 
 def identity_check(sets: list[str], policies: list[str], n_prompts: int, *, max_tokens: int) -> dict:

@@ -86,6 +86,10 @@ def test_exported_repository_serves_in_the_bundled_stock_tritonserver(tmp_path):
         assert server.poll() is None and client.is_model_ready("retrospec_generate"), \
             (tmp_path / "tritonserver.log").read_text()[-3000:]
 
+        def log_text() -> str:
+            log.flush()
+            return (tmp_path / "tritonserver.log").read_text()
+
         def tensor(name, array):
             t = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
             t.set_data_from_numpy(array)
@@ -109,6 +113,20 @@ def test_exported_repository_serves_in_the_bundled_stock_tritonserver(tmp_path):
         assert error is not None and "empty" in str(error)
         client.stop_stream()
         assert tokens == reference
+
+        # A client that cancels its stream mid-generation: the model cancels the request, which frees its KV blocks
+        # (the log line is written from the request's final "cancelled" update, after the engine released it).
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        client.async_stream_infer("retrospec_generate", [tensor("input_ids", np.array(prompt, np.int32)),
+                                                         tensor("max_tokens", np.array([200], np.int32)),
+                                                         tensor("ignore_eos", np.array([True]))])
+        result, error = results.get(timeout=120)
+        assert error is None and result.as_numpy("finish_reason")[0] == b""  # streaming, not finished
+        client.stop_stream(cancel_requests=True)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and "cancelled by the client, KV blocks freed" not in log_text():
+            time.sleep(0.2)
+        assert "cancelled by the client, KV blocks freed" in log_text(), log_text()[-3000:]
         draft = client.infer("retrospec_draft", [tensor("request_id", np.array([b"r"], np.object_)),
                                                  tensor("input_ids", np.array(prompt * 3, np.int32)),
                                                  tensor("budget", np.array([8], np.int32))])

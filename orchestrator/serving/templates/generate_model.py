@@ -3,6 +3,7 @@ export-triton-repo`; the serving configuration and the import path come from thi
 
 import json
 import sys
+import uuid
 from types import SimpleNamespace
 
 import triton_python_backend_utils as pb_utils
@@ -34,15 +35,26 @@ class TritonPythonModel:
                     data[name] = tensor.as_numpy()
             try:
                 generation = self.model.stack_request(SimpleNamespace(data=data))
-                self.stack.submit(generation, lambda out, sender=sender: self._send(sender, out), frontend="triton")
+                rid = f"triton-{uuid.uuid4().hex}"
+                self.stack.submit(generation, lambda out, sender=sender, rid=rid: self._send(sender, out, rid),
+                                  frontend="triton", request_id=rid)
             except (ValueError, RuntimeError) as exc:  # bad input or shutting down: this request only
                 sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))), flags=final)
         return None
 
-    def _send(self, sender, out):
+    def _send(self, sender, out, request_id):
         import numpy as np
 
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        if sender.is_cancelled():  # the client cancelled its request or closed its stream
+            if not out.finished:  # stop generating: the runner cancels it and frees its KV blocks
+                self.stack.runner.cancel(request_id)
+                return
+            if out.finish_reason.value == "cancelled":  # emitted after the engine released the request
+                pb_utils.Logger.log_info(f"retrospec_generate: {request_id} cancelled by the client, KV blocks freed")
+                sender.send(pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError("cancelled by the client", pb_utils.TritonError.CANCELLED)), flags=final)
+                return
         if out.error is not None:
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(out.error)), flags=final)
             return
