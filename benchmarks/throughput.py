@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args.sets, args.caps, args.policies, prompts_per_cap=prompts_per_cap, max_tokens=args.max_tokens,
                  identity_prompts=args.identity_prompts, rounds=args.rounds)
     result["summary"] = summarize(result, args.sets)
-    result["command"] = "python -m benchmarks.throughput " + " ".join(argv if argv is not None else sys.argv[1:])
+    result["command"] = " ".join(["python -m benchmarks.throughput", *(argv if argv is not None else sys.argv[1:])])
     result["machine"] = f"{platform.machine()} {os.cpu_count()} cores"
     result["max_tokens"] = args.max_tokens
     result["seconds"] = round(time.perf_counter() - started, 1)
