@@ -32,6 +32,7 @@ import numpy as np
 
 from benchmarks.peers import AdedDrafter, PromptLookupDrafter, RestRulesDrafter
 from benchmarks.plotting import panels_by_set
+from benchmarks.results_files import RESULTS, save_results
 from datastore import Datastore
 from datastore.paths import default_datastore_dir
 from drafter.drafter import Drafter, DrafterConfig
@@ -40,7 +41,6 @@ from tools.prompt_sets import PROMPT_SETS
 from tools.replay import replay
 from tools.trajectories import load_trajectories, trajectory_path
 
-RESULTS = Path(__file__).resolve().parent / "results"
 BUDGETS = (1, 2, 4, 8, 16, 32, 64)
 METHODS = ("fused", "fused-path", "input", "datastore", "pld", "pld-recent", "aded", "rest-rules")
 
@@ -193,9 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     result["machine"] = f"{platform.machine()}, {platform.processor() or 'cpu'}, {__import__('os').cpu_count()} cores"
     result["seconds"] = round(time.perf_counter() - started, 1)
     name = "acceptance_quick" if args.quick else "acceptance"
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    write_markdown(RESULTS / f"{name}.md", result)
+    save_results(name, result, write_markdown)
     if not args.quick:
         plot(RESULTS / "acceptance.png", result["rows"])
     print(json.dumps(result["summary"], indent=2))

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.results_files import save_results
 from orchestrator.roofline import KNOWN_HARDWARE, ModelShape
 from tools.prompt_sets import PROMPT_SETS
 from tools.simulate import (
@@ -42,7 +43,6 @@ from tools.simulate import (
     simulate,
 )
 
-RESULTS = Path(__file__).resolve().parent / "results"
 DEPLOYMENTS = (("llama-3.1-8b", 1, "H100-SXM"), ("llama-3.1-70b", 4, "H100-SXM"))
 POLICIES = ("none", "fixed:4", "fixed:16", "fixed:32", "roofline", "goodput")
 RATE_POLICIES = ("none", "fixed:4", "roofline", "goodput")
@@ -171,9 +171,7 @@ def main(argv: list[str] | None = None) -> int:
                   machine=f"{platform.machine()} {os.cpu_count()} cores", max_tokens=args.max_tokens,
                   host_time=args.host_time, seconds=round(time.perf_counter() - started, 1))
     name = "projection_quick" if args.quick else "projection"
-    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    write_markdown(RESULTS / f"{name}.md", result)
-    print((RESULTS / f"{name}.md").read_text())
+    print(save_results(name, result, write_markdown).read_text())
     return 0
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.results_files import RESULTS, save_results
 from orchestrator.roofline import HardwareSpec, ModelShape
 from tools.simulate import (
     Deployment,
@@ -36,8 +37,6 @@ from tools.simulate import (
     simulate,
 )
 from tools.trajectories import load_trajectories, trajectory_path
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def validate(measured: dict, *, host_time: str = "measured", fit: str = "group") -> dict:
@@ -125,9 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     result["machine"] = f"{platform.machine()} {os.cpu_count()} cores"
     result["seconds"] = round(time.perf_counter() - started, 1)
     name = "simulator_validation" + ("" if args.source == "throughput" else f"_{args.source}")
-    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    write_markdown(RESULTS / f"{name}.md", result)
-    print((RESULTS / f"{name}.md").read_text())
+    print(save_results(name, result, write_markdown).read_text())
     return 0
 
 

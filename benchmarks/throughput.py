@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from benchmarks.plotting import panels_by_set
+from benchmarks.results_files import RESULTS, save_results
 from datastore import Datastore
 from datastore.paths import default_datastore_dir
 from drafter.drafter import Drafter, DrafterConfig
@@ -42,7 +43,6 @@ from tools.trajectories import load_trajectories, trajectory_path
 from trt_engines.prepare import resolve_model_dir
 from trt_engines.torch_engine import TorchEngine
 
-RESULTS = Path(__file__).resolve().parent / "results"
 POLICIES = ("none", "fixed:4", "fixed:16", "fixed:32", "roofline", "goodput")
 
 
@@ -345,12 +345,10 @@ def main(argv: list[str] | None = None) -> int:
     result["max_tokens"] = args.max_tokens
     result["seconds"] = round(time.perf_counter() - started, 1)
     name = "throughput_quick" if args.quick else "throughput"
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    write_markdown(RESULTS / f"{name}.md", result)
+    markdown = save_results(name, result, write_markdown)
     if not args.quick:
         plot(RESULTS / "throughput.png", result["rows"])
-    print((RESULTS / f"{name}.md").read_text())
+    print(markdown.read_text())
     return 0
 
 
