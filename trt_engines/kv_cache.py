@@ -84,6 +84,21 @@ class PagedKVCache:
         s = np.arange(start, stop, dtype=np.int64)
         return table[s // self.block_size] * self.block_size + s % self.block_size
 
+    def block_table(self, request_id, num_slots: int) -> np.ndarray:
+        """int64 ids of the blocks holding the request's first `num_slots` slots, in slot order."""
+        return np.asarray(self.tables[request_id][: self.blocks_needed(num_slots)], dtype=np.int64)
+
+    def block_buffer(self, num_blocks: int) -> Tensor:
+        """An uninitialised [2 (K, V), num_blocks, block_size, n_kv_heads, head_dim] tensor for `gather_blocks`."""
+        return self.pool.new_empty((2, num_blocks) + tuple(self.pool.shape[3:]))
+
+    def gather_blocks(self, layer: int, block_ids: Tensor, out: Tensor) -> None:
+        """Copy blocks `block_ids` of layer `layer`'s K and V into `out` (from `block_buffer`): one memcpy per block,
+        where per-token gathers into fresh tensors cost more than the attention that reads them on CPU."""
+        for kind in (0, 1):
+            blocks = self.pool[layer, kind]
+            torch.index_select(blocks.view(self.num_blocks, -1), 0, block_ids, out=out[kind].view(len(block_ids), -1))
+
     def move(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Copy the K/V rows of flat slots `src` to `dst` in every layer (reads all sources before writing)."""
         if len(src):

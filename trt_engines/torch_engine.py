@@ -71,33 +71,30 @@ class _PagedAttention:
 
     Built once per forward (index tensors, mask, gather buffer), then called once per layer: write the new K/V
     into their slots, gather each request's blocks [context + new] into a padded batch, one SDPA with the mask.
-    The gather copies whole blocks (one index per block, not per token) into a buffer reused by every layer:
-    per-token gathers into fresh tensors cost more than the attention itself on CPU.
+    The gather copies whole blocks (`PagedKVCache.gather_blocks`) into one buffer reused by every layer.
     """
 
     def __init__(self, cache: PagedKVCache, segments: Sequence[_Segment], *, group: int, dtype: torch.dtype,
                  device: torch.device):
         self.cache, self.group = cache, group
-        B, bs = len(segments), cache.block_size
+        B = len(segments)
         lens = [len(s.tokens) for s in segments]
         used = [s.ctx_len + n for s, n in zip(segments, lens)]
         self.B, self.Tq, self.L = B, max(lens), max(used)
-        n_blocks = -(-self.L // bs)
+        n_blocks = cache.blocks_needed(self.L)
         blocks = np.zeros((B, n_blocks), np.int64)  # pad with block 0; its keys are masked out below
         write = []
         mask = np.zeros((B, self.Tq, self.L), bool)
         for b, (s, n) in enumerate(zip(segments, lens)):
-            table = cache.tables[s.request_id]
-            blocks[b, : -(-(s.ctx_len + n) // bs)] = table[: -(-(s.ctx_len + n) // bs)]
+            table = cache.block_table(s.request_id, s.ctx_len + n)
+            blocks[b, : len(table)] = table
             write.append(cache.flat_slots(s.request_id, s.ctx_len, s.ctx_len + n))
             mask[b, :n, : s.ctx_len] = True
             mask[b, :n, s.ctx_len : s.ctx_len + n] = s.local_mask
             mask[b, n:, 0] = True  # padded query rows: see one key so softmax stays finite; rows are dropped
         self.write = torch.as_tensor(np.concatenate(write), device=device)
         self.blocks = torch.as_tensor(blocks.reshape(-1), device=device)
-        pool = cache.pool
-        self.buffer = torch.empty((2, B * n_blocks) + tuple(pool.shape[3:]), dtype=pool.dtype, device=device)
-        self.rows = self.buffer.view(2, B * n_blocks, -1)
+        self.buffer = cache.block_buffer(B * n_blocks)
         self.padded = not all(n == self.Tq for n in lens)
         if self.padded:
             dest = np.concatenate([b * self.Tq + np.arange(n) for b, n in enumerate(lens)])
@@ -117,9 +114,7 @@ class _PagedAttention:
         kf, vf = self.cache.flat(layer, 0), self.cache.flat(layer, 1)
         kf.index_copy_(0, self.write, k.to(kf.dtype))
         vf.index_copy_(0, self.write, v.to(vf.dtype))
-        for kind in (0, 1):  # whole blocks as rows of [num_blocks, block_size * KV * D]: one memcpy per block
-            pool = self.cache.pool[layer, kind]
-            torch.index_select(pool.view(pool.shape[0], -1), 0, self.blocks, out=self.rows[kind])
+        self.cache.gather_blocks(layer, self.blocks, self.buffer)
         kv = self.buffer.view(2, B, -1, KV, D)[:, :, :L].transpose(2, 3)  # [2, B, KV, L, D]
         if self.padded:
             q = q.new_zeros(B * Tq, H, D).index_copy_(0, self.dest, q)
