@@ -112,6 +112,13 @@ def headline_rows(results: dict[str, dict]) -> list[tuple[str, str, str, str]]:
             rows.append((f"GPU step time vs roofline ({g['device']}, {label} profile), median abs error",
                          f"pure {c['pure_roofline_median_abs_rel_err']:.1%}, fitted {c['fitted_median_abs_rel_err_heldout']:.1%}",
                          "", "gpu_verify_cost"))
+            if "fitted_to_device_busy_median_abs_rel_err_heldout" in c:
+                rows.append((f"GPU busy time vs roofline ({g['device']}, {label} profile), median abs error",
+                             f"pure {c['pure_roofline_vs_device_busy_median_abs_rel_err']:.1%}, "
+                             f"fitted {c['fitted_to_device_busy_median_abs_rel_err_heldout']:.1%}", "", "gpu_verify_cost"))
+        if "lossless" in g:
+            rows.append((f"identical greedy outputs with speculation on {g['device']} (fp32, random weights)",
+                         f"{g['lossless']['identical_outputs_fraction']:.0%}", "100%", "gpu_verify_cost"))
     return rows
 
 
@@ -155,8 +162,12 @@ def plot_step_time(path: Path, results: dict[str, dict]) -> bool:
     if "gpu_verify_cost" in results:
         g = results["gpu_verify_cost"]
         label = next(iter(g["comparison"]))
-        panels.append((f"{g['device']}, {g['model']} (pure roofline, {label})",
-                       np.array([r["ms"] for r in g["rows"]]), np.array([r[f"roofline_ms_{label}"] for r in g["rows"]])))
+        predicted = np.array([r[f"roofline_ms_{label}"] for r in g["rows"]])
+        panels.append((f"{g['device']}, {g['model']}\nwall time vs pure roofline ({label} profile)",
+                       np.array([r["ms"] for r in g["rows"]]), predicted))
+        if all(r.get("device_busy_ms") for r in g["rows"]):
+            panels.append((f"{g['device']}, {g['model']}\nGPU busy time vs pure roofline ({label} profile)",
+                           np.array([r["device_busy_ms"] for r in g["rows"]]), predicted))
     if not panels:
         return False
     plt = _plt()

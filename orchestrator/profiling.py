@@ -77,12 +77,15 @@ def _timed(fn, sync, repeats: int) -> float:
     return best
 
 
-def measure_hardware(device: str = "cpu", *, size: int = 2048, stream_mb: int = 512, repeats: int = 5) -> HardwareSpec:
+def measure_hardware(device: str = "cpu", *, size: int | None = None, stream_mb: int = 512, repeats: int = 5) -> HardwareSpec:
     """Matmul FLOP/s per dtype (best of square matmuls), streaming bandwidth (`a + b -> c`, 3 transfers, SSSD's
-    method) and a tiny matmul's wall time as the per-step overhead, on `device` (CPU or CUDA)."""
+    method) and a tiny matmul's wall time as the per-step overhead, on `device` (CPU or CUDA).
+
+    `size` defaults to 2048 on a CPU and 8192 on a GPU, where a 2048 matmul is too short to reach peak."""
     import torch
 
     dev = torch.device(device)
+    size = size or (8192 if dev.type == "cuda" else 2048)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     flops = {}
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):

@@ -70,3 +70,12 @@ def test_random_weight_model_runs_in_the_engine():
     assert json.dumps(gpu_verify_cost.datasheet_for("NVIDIA H100 80GB HBM3")) == '"H100-SXM"'
     assert gpu_verify_cost.datasheet_for("Tesla T4") is None
     assert np.isfinite(out.timings["total_ms"])
+
+
+def test_gpu_lossless_check_runs_on_cpu_too():
+    # The same check the GPU benchmark runs first: transformers parity and speculative == plain greedy decoding.
+    result = gpu_verify_cost.check_lossless("cpu", n_prompts=3, new_tokens=16)
+    assert result["identical_outputs_fraction"] == 1.0
+    assert result["max_abs_logit_diff_vs_transformers"] < 1e-4
+    assert result["accepted_draft_tokens"] > 0  # the trees did carry the true continuation
+    assert result["free_blocks_after"] == result["total_blocks"]

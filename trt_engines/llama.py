@@ -239,13 +239,12 @@ class Transformer(nn.Module):
         """A model of `config`'s shape with random weights (timing studies of large shapes without weight files)."""
         args = ModelArgs.from_config(config)
         with torch.device("meta"):
-            model = cls(args)
+            model = cls(args).to(dtype)  # initialised in `dtype` directly: an 8B shape in fp32 first needs 32 GB
         model.to_empty(device=device or "cpu")
         generator = torch.Generator(device=device or "cpu").manual_seed(seed)
         with torch.no_grad():
             for param in model.parameters():
                 param.normal_(0.0, 0.02, generator=generator) if param.dim() > 1 else param.fill_(1.0)
-        model.to(dtype)
         inv_freq, _ = rope_inv_freq(args)
         model.inv_freq = inv_freq.to(model.inv_freq.device)
         return model.eval().requires_grad_(False)
