@@ -11,7 +11,8 @@ step; and losslessness: an fp32 run in which every policy's outputs must equal `
 (`identical_outputs_fraction`), plus, for the bf16 runs, each divergence from `none` with the gap between the top-2
 target logits at the first differing position (only near-ties may diverge).
 
-Writes benchmarks/results/throughput.json (+ .md, + throughput.png).
+Writes benchmarks/results/throughput.json (+ .md, + throughput.png, + throughput_outputs.npz: every row's generated
+tokens, which `benchmarks/simulator_validation.py` replays).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def build_stack(dtype: torch.dtype, *, num_blocks: int, max_nodes: int = 64, win
     drafter = Drafter(DrafterConfig(max_budget=max_nodes), datastores=[datastore])
     dtype_name = "float32" if dtype == torch.float32 else "bfloat16"
     step_model = StepTimeModel(ModelShape.from_config(resolve_model_dir("default")), measure_hardware("cpu"),
-                               dtype=dtype_name, window=window)
+                               dtype=dtype_name, window=window, attention_layout=engine.attention_layout)
     fit_error = fit_step_model(engine, step_model)
     return engine, drafter, step_model, fit_error
 
@@ -64,7 +65,13 @@ class _PolicyRun:
                  max_tokens: int):
         self.elapsed = 0.0
         self.step_started: float | None = None
-        controller = BudgetController(BudgetPolicy.parse(policy), step_model)
+        # Each controller owns its step-time model, as a served orchestrator does: the start-up fit, then refit
+        # online from its own recent steps (the default window). A model shared by every policy and every group of
+        # the run would predict a cap-1 step from a fit dominated by other batch shapes.
+        own_model = StepTimeModel(step_model.shape, step_model.hardware, dtype=step_model.dtype,
+                                  coefficients=step_model.coefficients.copy(),
+                                  attention_layout=step_model.attention_layout)
+        controller = BudgetController(BudgetPolicy.parse(policy), own_model)
         self.orchestrator = Orchestrator(engine, drafter, controller, max_running=cap, clock=self.clock)
         self.finished: dict[str, float] = {}
         self.outputs: dict[str, list[int]] = {}
@@ -122,6 +129,13 @@ def _summarize_run(run: _PolicyRun) -> dict:
     records = list(orchestrator.records)
     step_errors = [abs(r.predicted_s - r.measured_s) / r.measured_s for r in records if r.measured_s > 0]
     prefills = [(n, t) for r in records for n, t in zip(r.prefill_tokens, r.prefill_s)]
+    model = orchestrator.budget.step_model
+    samples = [(model.features(1.0 + np.asarray(r.nodes, np.float64), np.asarray(r.context, np.float64)), r.measured_s)
+               for r in records]
+    verify_s, prefill_s = sum(r.measured_s for r in records), sum(t for _, t in prefills)
+    draft_s, budget_s = sum(r.draft_s for r in records), sum(r.budget_s for r in records)
+    # Host work that is neither verification, drafting, budgeting nor prefill: acceptance, KV commits, streaming.
+    host_steps = [(r.batch, r.step_s - r.measured_s - r.draft_s - r.budget_s - sum(r.prefill_s)) for r in records]
     return {
         "outputs": [outputs[i] for i in ids],
         "tokens": n_tokens,
@@ -132,8 +146,13 @@ def _summarize_run(run: _PolicyRun) -> dict:
         # tokens per request-step: the first token comes from prefill, the rest from verification steps
         "tau": (n_tokens - len(ids)) / max(sum(steps.values()), 1),
         "mean_nodes_per_request_step": float(np.mean([np.mean(r.nodes) for r in records])) if records else 0.0,
+        "time_split_s": {"verify": verify_s, "prefill": prefill_s, "draft": draft_s, "budget": budget_s,
+                         "other": wall - verify_s - prefill_s - draft_s - budget_s},
+        "steps": len(records),
         "step_rel_errors": step_errors,
         "prefills": prefills,
+        "samples": samples,
+        "host_steps": host_steps,
         "drafter_fallbacks": orchestrator.drafter_fallbacks,
     }
 
@@ -154,13 +173,15 @@ def run(sets: list[str], caps: list[int], policies: list[str], *, prompts_per_ca
     # Every policy holds its own `cap` requests at once: room for all of them (prompt + output + the largest tree).
     longest = max(len(t.prompt_ids) for name in sets for t in load_trajectories(trajectory_path(name, "eval")))
     num_blocks = len(policies) * max(caps) * -(-(longest + max_tokens + 65) // 16) + 64
-    engine, drafter, step_model, fit_error = build_stack(torch.bfloat16, num_blocks=num_blocks, window=1 << 20)
-    rows, divergences, all_errors, prefills, group_fits = [], [], [], [], []
+    engine, drafter, step_model, fit_error = build_stack(torch.bfloat16, num_blocks=num_blocks)
+    initial_coefficients = step_model.coefficients.tolist()
+    rows, divergences, all_errors, prefills, group_fits, all_samples = [], [], [], [], [], []
+    outputs: dict[str, np.ndarray] = {}
     for set_name in sets:
         trajectories = load_trajectories(trajectory_path(set_name, "eval"))
         for cap in caps:
             prompts = [t.prompt_ids for t in trajectories[: prompts_per_cap(cap)]]
-            steps_before, prefills_before = len(step_model.samples()), len(prefills)
+            samples_before, prefills_before, host_steps = len(all_samples), len(prefills), []
             runs: dict[str, list[dict]] = {p: [] for p in policies}
             for r in range(rounds):
                 order = policies[r % len(policies):] + policies[: r % len(policies)]
@@ -173,7 +194,13 @@ def run(sets: list[str], caps: list[int], policies: list[str], *, prompts_per_ca
                 for result in runs[policy]:
                     all_errors += result.pop("step_rel_errors")
                     prefills += result.pop("prefills")
+                    all_samples += result.pop("samples")
+                    host_steps += result.pop("host_steps")
                     outs = result.pop("outputs")
+                    if result is runs[policy][0]:  # what the simulator validation replays (first round)
+                        key = f"{set_name}_{cap}_{policy.replace(':', '')}"
+                        outputs[f"{key}_tokens"] = np.concatenate([np.asarray(o, np.int32) for o in outs])
+                        outputs[f"{key}_lengths"] = np.array([len(o) for o in outs], np.int32)
                     if policy != "none" and reference is not None and result is runs[policy][0]:
                         for p, ref, out in zip(prompts, reference, outs):
                             if ref != out:
@@ -189,12 +216,13 @@ def run(sets: list[str], caps: list[int], policies: list[str], *, prompts_per_ca
                       f"tau={row['tau']:.2f} speedup={row['speedup']:.2f} p90={row['latency_p90_s']:.1f}s "
                       f"rounds={[round(x) for x in row['tokens_per_s_rounds']]}", flush=True)
             rows += group
-            group_fits.append(_group_fit(step_model, set_name, cap, step_model.samples()[steps_before:],
-                                         prefills[prefills_before:]))
+            group_fits.append(_group_fit(step_model, set_name, cap, all_samples[samples_before:],
+                                         prefills[prefills_before:], host_steps))
     # One fit over every verify step of the run, and one over every prefill: what `retrospec simulate` uses to
     # replay this run (prefills are compute-bound and have their own constants).
-    step_model.fit_samples(step_model.samples())
-    prefill_model = StepTimeModel(step_model.shape, step_model.hardware, dtype=step_model.dtype)
+    step_model.fit_samples(all_samples)
+    prefill_model = StepTimeModel(step_model.shape, step_model.hardware, dtype=step_model.dtype,
+                          attention_layout=step_model.attention_layout)
     prefill_model.fit([(np.array([float(n)]), np.zeros(1), t) for n, t in prefills])
     identity = identity_check(sets, policies, identity_prompts, max_tokens=min(max_tokens, 48))
     return {"rows": rows, "bf16_divergences": divergences, "step_fit_error": fit_error,
@@ -202,20 +230,41 @@ def run(sets: list[str], caps: list[int], policies: list[str], *, prompts_per_ca
             "identity": identity, "rounds": rounds, "group_fits": group_fits,
             "hardware": dataclasses.asdict(step_model.hardware),
             "step_model": {"dtype": step_model.dtype, "coefficients": step_model.coefficients.tolist(),
-                           "features": list(FEATURES), "fitted_on_steps": len(step_model.samples())},
+                           "attention_layout": step_model.attention_layout,
+                           "features": list(FEATURES), "fitted_on_steps": len(all_samples),
+                           "start_up_coefficients": initial_coefficients},
+            "outputs": outputs,
             "prefill_model": {"coefficients": prefill_model.coefficients.tolist(), "fitted_on_prefills": len(prefills)}}
 
 
-def _group_fit(step_model: StepTimeModel, set_name: str, cap: int, samples, prefills) -> dict:
+def _group_fit(step_model: StepTimeModel, set_name: str, cap: int, samples, prefills, host_steps) -> dict:
     """Step-time and prefill fits over one (set, cap) group's steps (all its policies ran side by side, so they saw
     the same machine): the simulator validation replays each group with its own fit, because this shared machine's
     speed drifts over a run of the whole benchmark."""
-    steps = StepTimeModel(step_model.shape, step_model.hardware, dtype=step_model.dtype)
+    steps = StepTimeModel(step_model.shape, step_model.hardware, dtype=step_model.dtype,
+                          attention_layout=step_model.attention_layout)
     steps.fit_samples(samples)
-    prefill = StepTimeModel(step_model.shape, step_model.hardware, dtype=step_model.dtype)
+    prefill = StepTimeModel(step_model.shape, step_model.hardware, dtype=step_model.dtype,
+                          attention_layout=step_model.attention_layout)
     prefill.fit([(np.array([float(n)]), np.zeros(1), t) for n, t in prefills])
     return {"set": set_name, "cap": cap, "steps": len(samples), "prefills": len(prefills),
-            "step_model": steps.coefficients.tolist(), "prefill_model": prefill.coefficients.tolist()}
+            "step_model": steps.coefficients.tolist(), "prefill_model": prefill.coefficients.tolist(),
+            "host_overhead": fit_host_overhead(host_steps)}
+
+
+def fit_host_overhead(host_steps: list[tuple[int, float]]) -> list[float]:
+    """Seconds of host work per step (beyond verify, drafting and prefill) as a + b x running requests, fitted by
+    least squares with a, b >= 0 (the simulator charges it per step)."""
+    if not host_steps:
+        return [0.0, 0.0]
+    batch, seconds = np.array(host_steps, dtype=np.float64).T
+    X = np.stack([np.ones_like(batch), batch], axis=1)
+    coef, *_ = np.linalg.lstsq(X, seconds, rcond=None)
+    if (coef < 0).any():  # fall back to the better one-parameter model
+        per_step, per_request = max(seconds.mean(), 0.0), max(seconds.sum() / batch.sum(), 0.0)
+        err = [np.abs(seconds - per_step).sum(), np.abs(seconds - per_request * batch).sum()]
+        coef = np.array([per_step, 0.0]) if err[0] <= err[1] else np.array([0.0, per_request])
+    return coef.tolist()
 
 
 def identity_check(sets: list[str], policies: list[str], n_prompts: int, *, max_tokens: int) -> dict:
@@ -345,6 +394,10 @@ def main(argv: list[str] | None = None) -> int:
     result["max_tokens"] = args.max_tokens
     result["seconds"] = round(time.perf_counter() - started, 1)
     name = "throughput_quick" if args.quick else "throughput"
+    # Every row's outputs (first round), for the simulator validation to replay what was actually generated.
+    outputs_file = RESULTS / f"{name}_outputs.npz"
+    np.savez_compressed(outputs_file, **result.pop("outputs"))
+    result["outputs_file"] = outputs_file.name
     markdown = save_results(name, result, write_markdown)
     if not args.quick:
         plot(RESULTS / "throughput.png", result["rows"])

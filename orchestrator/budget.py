@@ -81,6 +81,8 @@ class BudgetDecision:
     no_speculation_step_s: float  # predicted time of the same step with zero nodes
     raw_draft_tokens: float = 0.0  # sum of the selected nodes' calibrated probabilities, before the closed-loop scale
     gain: float = 0.0  # goodput: predicted goodput (drafting included) / plain decoding's without drafting, minus 1
+    raw_per_request: np.ndarray | None = None  # float64 [b]: `raw_draft_tokens` per request
+    request_ids: tuple | None = None  # the requests, in order, when the caller named them
 
 
 def prune_tree(tree: DraftTree, n: int) -> DraftTree:
@@ -103,11 +105,18 @@ def prune_tree(tree: DraftTree, n: int) -> DraftTree:
 
 class BudgetController:
     def __init__(self, policy: BudgetPolicy, step_model: StepTimeModel, *, min_gain: float = 0.05,
-                 ema: float = 0.1) -> None:
+                 ema: float = 0.1, per_request_acceptance: bool = False, prior_tokens: float = 4.0) -> None:
         self.policy = policy
         self.step_model = step_model
         self.min_gain = min_gain
         self.ema = ema
+        # Per-request acceptance (SpecServe §4), opt-in: a request whose drafts keep beating (or missing) their
+        # calibrated probabilities gets its own factor, shrunk toward the batch-wide scale by `prior_tokens` predicted
+        # tokens. Off by default: side by side on the CPU benchmark it was no better than the batch-wide scale
+        # (within run-to-run noise at cap 4, slightly worse at cap 1).
+        self.per_request_acceptance = per_request_acceptance
+        self.prior_tokens = prior_tokens
+        self._history: dict = {}  # request id -> [predicted raw draft tokens, realized draft tokens] so far
         # closed-loop state (goodput policy)
         # EMAs of predicted (raw calibrated) and realized accepted draft tokens per step; both start at the same
         # prior so that a few unlucky first steps cannot talk the controller out of speculating for good.
@@ -122,6 +131,11 @@ class BudgetController:
         # top of them: the goodput decision hinges on that marginal cost, which a global fit can get wrong locally.
         self.plain_scale = 1.0
         self.marginal_scale = 1.0
+        # `marginal_scale` is a least-squares slope through the origin of (measured - plain) on (predicted - plain)
+        # over recent speculating steps (exponentially decayed sums, both relative to the plain step): a ratio per
+        # step would divide timing noise by the small predicted extra of a step that sends few nodes, and swing the
+        # controller from step to step. The sums start at a prior worth a few steps of 10% extra at slope 1.
+        self._marginal_num = self._marginal_den = 3 * 0.1**2
         self._drafted_steps = 0  # no back-off during the first steps: cold caches make the first drafts slow
 
     @property
@@ -148,12 +162,32 @@ class BudgetController:
             return 0
         return min(self._next_cap, p.max_nodes_per_request)
 
+    def request_factors(self, request_ids: Sequence | None, b: int) -> np.ndarray:
+        """Expected accepted tokens per unit of calibrated probability, per request: the batch-wide
+        `acceptance_scale`, moved toward the request's own realized / predicted ratio as its history grows."""
+        scale = self.acceptance_scale
+        if request_ids is None or not self.per_request_acceptance:
+            return np.full(b, scale)
+        c = self.prior_tokens
+        history = [self._history.get(rid, (0.0, 0.0)) for rid in request_ids]
+        return np.array([np.clip((realized + c * scale) / (predicted + c), 0.25, 2.0) for predicted, realized in history])
+
     def observe(self, decision: "BudgetDecision", *, realized_draft_tokens: float, draft_s: float, cap: int,
-                measured_s: float | None = None) -> None:
-        """Feed back one step: accepted draft tokens (bonus tokens excluded), the drafting time it cost and the
-        measured verify time."""
+                measured_s: float | None = None, realized_per_request: Sequence[float] | None = None) -> None:
+        """Feed back one step: accepted draft tokens (bonus tokens excluded; in total and per request, in the
+        decision's order), the drafting time it cost and the measured verify time."""
         if self.policy.kind != "goodput":
             return
+        if (realized_per_request is not None and decision.request_ids is not None
+                and decision.raw_per_request is not None):
+            live = set(decision.request_ids)
+            self._history = {rid: h for rid, h in self._history.items() if rid in live}  # finished ones leave
+            for rid, n, predicted, realized in zip(decision.request_ids, decision.nodes, decision.raw_per_request,
+                                                   realized_per_request):
+                if n > 0:
+                    h = self._history.setdefault(rid, [0.0, 0.0])
+                    h[0] += float(predicted)
+                    h[1] += float(realized)
         b = max(len(decision.nodes), 1)
         a = self.ema
         if measured_s and measured_s > 0 and decision.no_speculation_step_s > 0:
@@ -161,8 +195,11 @@ class BudgetController:
             if decision.nodes.sum() == 0:
                 self.plain_scale = (1 - a) * self.plain_scale + a * float(np.clip(measured_s / base, 0.25, 4.0))
             elif decision.predicted_step_s > base * 1.001:
-                marginal = (measured_s - self.plain_scale * base) / (decision.predicted_step_s - base)
-                self.marginal_scale = (1 - a) * self.marginal_scale + a * float(np.clip(marginal, 0.25, 8.0))
+                extra = (decision.predicted_step_s - base) / base
+                excess = (measured_s - self.plain_scale * base) / base
+                self._marginal_num = (1 - a) * self._marginal_num + a * excess * extra
+                self._marginal_den = (1 - a) * self._marginal_den + a * extra * extra
+                self.marginal_scale = float(np.clip(self._marginal_num / self._marginal_den, 0.25, 8.0))
         if decision.nodes.sum() > 0:
             self._predicted_draft_tokens = (1 - a) * self._predicted_draft_tokens + a * decision.raw_draft_tokens
             self._realized_draft_tokens = (1 - a) * self._realized_draft_tokens + a * realized_draft_tokens
@@ -195,8 +232,10 @@ class BudgetController:
         context: np.ndarray,
         *,
         tpot_s: np.ndarray | None = None,
+        request_ids: Sequence | None = None,
     ) -> tuple[list[DraftTree], BudgetDecision]:
-        """Choose the nodes each request verifies this step; returns pruned trees and the decision."""
+        """Choose the nodes each request verifies this step; returns pruned trees and the decision. `request_ids`
+        (in the trees' order) lets `goodput` weigh each request by its own realized acceptance."""
         b = len(trees)
         context = np.asarray(context, dtype=np.float64)
         ones = np.ones(b)
@@ -209,29 +248,41 @@ class BudgetController:
             return pruned, BudgetDecision(nodes, self.step_model.predict(ones + nodes, context), ones + raw, base_s,
                                           float(raw.sum()))
 
-        nodes, step_s, tokens, raw, gain = self._goodput_nodes(trees, context, tpot_s)
+        factors = self.request_factors(request_ids, b)
+        nodes, step_s, tokens, raw, gain = self._goodput_nodes(trees, context, tpot_s, factors)
         pruned = [prune_tree(t, int(n)) for t, n in zip(trees, nodes)]
-        return pruned, BudgetDecision(nodes, step_s, tokens, base_s, raw, gain)
+        return pruned, BudgetDecision(nodes, step_s, tokens, base_s, float(raw.sum()), gain, raw_per_request=raw,
+                                      request_ids=None if request_ids is None else tuple(request_ids))
 
-    def _goodput_nodes(self, trees, context, tpot_s):
+    def _goodput_nodes(self, trees, context, tpot_s, factors):
         b = len(trees)
         model = self.step_model
         ones = np.ones(b)
-        # Candidates of the whole batch, best first; per tree the order is the same as prune_tree's.
+        # Candidates of the whole batch, best first by expected accepted tokens (the request's factor times the
+        # node's calibrated path probability, at most 1); scaling a tree by one factor keeps prune_tree's order.
         owner = np.concatenate([np.full(len(t), i, np.int64) for i, t in enumerate(trees)] + [np.empty(0, np.int64)])
-        probs = np.concatenate([t.probs.astype(np.float64) for t in trees] + [np.empty(0)])
+        raw_probs = np.concatenate([t.probs.astype(np.float64) for t in trees] + [np.empty(0)])
+        probs = np.minimum(factors[owner] * raw_probs, 1.0)
         index = np.concatenate([np.arange(len(t)) for t in trees] + [np.empty(0, np.int64)])
         order = np.lexsort((index, owner, -probs))
-        owner, probs = owner[order], probs[order]
+        owner, probs, raw_probs = owner[order], probs[order], raw_probs[order]
         k_max = owner.shape[0]
 
         # Predicted step time after adding the first k candidates, k = 0..k_max, without re-running the model:
         # linear and LM-head terms depend on the total token count only; attention changes one request at a time.
         rank_in_owner = _cumcount(owner)
         t_before = 1.0 + rank_in_owner
-        attn_delta = model.attention_seconds(t_before + 1, context[owner]) - model.attention_seconds(t_before, context[owner])
         total = b + np.arange(k_max + 1, dtype=np.float64)
-        attention = model.attention_seconds(ones, context).sum() + np.concatenate([[0.0], np.cumsum(attn_delta)])
+        if model.attention_layout == "padded":
+            # every request pays for the deepest tree's rows over the longest context's keys
+            rows = np.maximum.accumulate(np.concatenate([[1.0], t_before + 1]))
+            keys = np.maximum.accumulate(np.concatenate([[float((context + 1).max(initial=1.0))],
+                                                         context[owner] + t_before + 1]))
+            attention = b * model.attention_seconds(rows, keys - rows)
+        else:
+            attn_delta = (model.attention_seconds(t_before + 1, context[owner])
+                          - model.attention_seconds(t_before, context[owner]))
+            attention = model.attention_seconds(ones, context).sum() + np.concatenate([[0.0], np.cumsum(attn_delta)])
         features = np.stack([
             np.ones(k_max + 1),
             model.linear_seconds(total),
@@ -242,8 +293,7 @@ class BudgetController:
         model_s = features @ model.coefficients
         # what the speculated tokens cost on top of a plain step, corrected by what such steps measured
         step_s = self.plain_scale * model_s[0] + self.marginal_scale * (model_s - model_s[0])
-        scale = self.acceptance_scale
-        expected = b + scale * np.concatenate([[0.0], np.cumsum(probs)])
+        expected = b + np.concatenate([[0.0], np.cumsum(probs)])
         # Drafting is part of this step's time (already spent, also for k = 0), so it stays in the denominator;
         # `gain` compares the result with plain decoding that drafts nothing, which steers the next steps' drafting.
         draft_s = self.draft_s_per_request * b
@@ -256,8 +306,9 @@ class BudgetController:
             k = 0
         gain = float(goodput[k] * step_s[0] / expected[0] - 1.0)
         nodes = np.bincount(owner[:k], minlength=b).astype(np.int32)
-        raw = np.bincount(owner[:k], weights=probs[:k], minlength=b)
-        return nodes, float(model_s[k]), ones + scale * raw, float(raw.sum()), gain
+        expected_per_request = np.bincount(owner[:k], weights=probs[:k], minlength=b)
+        raw = np.bincount(owner[:k], weights=raw_probs[:k], minlength=b)
+        return nodes, float(model_s[k]), ones + expected_per_request, raw, gain
 
 
 def _cumcount(groups: np.ndarray) -> np.ndarray:

@@ -57,6 +57,8 @@ class StepRecord:
     fallbacks: int
     prefill_tokens: list[int] = field(default_factory=list)  # prompt length of each request admitted this step
     prefill_s: list[float] = field(default_factory=list)  # and its prefill's wall time
+    context: list[int] = field(default_factory=list)  # cached tokens of each running request before the step
+    budget_s: float = 0.0  # the budget controller's allocation
 
 
 @dataclass
@@ -166,7 +168,10 @@ class Orchestrator:
 
         context = np.array([s.context_len for s in states], dtype=np.float64)
         tpot = np.array([s.request.tpot_s if s.request.tpot_s else np.nan for s in states])
-        trees, decision = self.budget.allocate(trees, context, tpot_s=tpot if np.isfinite(tpot).any() else None)
+        budget_started = time.perf_counter()
+        trees, decision = self.budget.allocate(trees, context, tpot_s=tpot if np.isfinite(tpot).any() else None,
+                                               request_ids=[s.request_id for s in states])
+        budget_s = time.perf_counter() - budget_started
 
         verify = self.engine.verify([VerifyItem(s.request_id, t) for s, t in zip(states, trees)])
         # The whole verify call (input packing and sampling included) is what a step costs the batch.
@@ -175,22 +180,25 @@ class Orchestrator:
         self._drafter_idle()  # the drafter is updated below
 
         realized = 0
+        accepted = []
         for state, tree, result in zip(states, trees, verify.results):
             verdict = accept(tree, result.target_tokens)
             realized += verdict.num_accepted + 1
+            accepted.append(verdict.num_accepted)
             state.stats.steps += 1
             state.stats.drafted += len(tree)
             state.stats.accepted += verdict.num_accepted
             self._advance(state, verdict.accepted_nodes, verdict.new_tokens)
 
         self.budget.observe(decision, realized_draft_tokens=realized - len(states), draft_s=draft_s, cap=cap,
-                            measured_s=measured_s)
+                            measured_s=measured_s, realized_per_request=accepted)
         record = StepRecord(
             batch=len(states), prefills=prefills, nodes=decision.nodes.tolist(),
             predicted_tokens=float(decision.predicted_tokens.sum()), realized_tokens=realized,
-            predicted_s=decision.predicted_step_s, measured_s=measured_s, draft_s=draft_s,
+            predicted_s=decision.predicted_step_s, measured_s=measured_s, draft_s=draft_s, budget_s=budget_s,
             step_s=time.perf_counter() - started, fallbacks=fallbacks,
             prefill_tokens=[n for n, _ in self._prefills], prefill_s=[t for _, t in self._prefills],
+            context=context.astype(int).tolist(),
         )
         self.records.append(record)
         return record

@@ -125,6 +125,7 @@ class ModelShape:
 
 
 FEATURES = ("overhead", "linear", "attention", "lm_head", "tokens")
+ATTENTION_LAYOUTS = ("packed", "padded")
 
 
 @dataclass
@@ -136,11 +137,18 @@ class StepTimeModel:
     dtype: str = "bfloat16"
     coefficients: np.ndarray = field(default=None)  # type: ignore[assignment]
     window: int = 512  # measured steps kept for the online refit
+    # How the engine lays out a batch's attention. "packed": each request attends over its own tokens and context
+    # (paged/varlen kernels: TensorRT-LLM). "padded": one batched call in which every request computes as many
+    # query rows as the largest tree and as many keys as the longest context (`TorchEngine`'s SDPA), so one deep
+    # tree makes every request of the step pay for its depth.
+    attention_layout: str = "packed"
     _samples: deque = field(default=None, repr=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"unknown dtype {self.dtype!r}; use one of {sorted(DTYPE_BYTES)}")
+        if self.attention_layout not in ATTENTION_LAYOUTS:
+            raise ValueError(f"unknown attention layout {self.attention_layout!r}; use one of {ATTENTION_LAYOUTS}")
         if self.coefficients is None:
             self.coefficients = np.array([self.hardware.overhead_s, 1.0, 1.0, 1.0, 0.0])
         self.coefficients = np.asarray(self.coefficients, dtype=np.float64)
@@ -172,6 +180,16 @@ class StepTimeModel:
         per_layer = self._op(4 * t * (c + t) * hq, e * (2 * (c + t) * hkv + 2 * t * hq))
         return np.where(t > 0, s.n_layers * per_layer, 0.0)
 
+    def batch_attention_seconds(self, tokens, context) -> float:
+        """All requests of one step, in this engine's attention layout."""
+        t = np.asarray(tokens, dtype=np.float64)
+        c = np.asarray(context, dtype=np.float64)
+        if self.attention_layout == "packed" or t.size == 0:
+            return float(self.attention_seconds(t, c).sum())
+        rows = t.max()  # every request: the deepest tree's query rows over the longest context's keys
+        keys = (c + t).max()
+        return float(t.size * self.attention_seconds(rows, keys - rows))
+
     def lm_head_seconds(self, total_tokens) -> np.ndarray:
         s, e = self.shape, DTYPE_BYTES[self.dtype]
         T = np.asarray(total_tokens, dtype=np.float64)
@@ -184,7 +202,7 @@ class StepTimeModel:
         return np.array([
             1.0,
             float(self.linear_seconds(total)),
-            float(self.attention_seconds(tokens, context).sum()),
+            self.batch_attention_seconds(tokens, context),
             float(self.lm_head_seconds(total)),
             total,
         ])

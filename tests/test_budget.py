@@ -176,3 +176,47 @@ def test_speculated_tokens_that_cost_more_than_predicted_get_fewer_nodes():
     _, later = controller.allocate(trees, context)
     assert controller.marginal_scale == pytest.approx(6.0, rel=0.05)
     assert later.nodes.sum() < first.nodes.sum()
+
+
+def test_padded_attention_charges_every_request_for_the_deepest_tree():
+    packed = StepTimeModel(LLAMA_8B, KNOWN_HARDWARE["H100-SXM"])
+    padded = StepTimeModel(LLAMA_8B, KNOWN_HARDWARE["H100-SXM"], attention_layout="padded")
+    context = np.array([4096.0, 512.0, 512.0, 512.0])
+    even, uneven = np.full(4, 5.0), np.array([1.0, 1.0, 1.0, 17.0])  # 20 tokens either way
+    # same request shapes: the layouts agree; one deep tree: only the padded engine pays for it four times over
+    assert padded.predict(even, np.full(4, 4096.0)) == pytest.approx(packed.predict(even, np.full(4, 4096.0)))
+    assert padded.predict(uneven, context) > packed.predict(uneven, context)
+    # 17 query rows (the deepest tree) over 4097 keys (the longest context + its root), for each of the 4 requests
+    assert padded.batch_attention_seconds(uneven, context) == pytest.approx(
+        4 * float(padded.attention_seconds(17.0, 4097.0 - 17.0)))
+    with pytest.raises(ValueError, match="attention layout"):
+        StepTimeModel(LLAMA_8B, KNOWN_HARDWARE["H100-SXM"], attention_layout="ragged")
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_goodput_predicts_the_step_it_chooses(layout):
+    # The allocation's incremental step-time prediction equals the model's prediction of the chosen composition.
+    model = StepTimeModel(LLAMA_8B, KNOWN_HARDWARE["H100-SXM"], attention_layout=layout)
+    controller = BudgetController(BudgetPolicy.parse("goodput"), model)
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        batch = int(rng.integers(1, 9))
+        trees = [DraftTree.chain(np.arange(16), probs=rng.uniform(0.5, 0.99) ** np.arange(1, 17)) for _ in range(batch)]
+        context = rng.integers(64, 8192, batch).astype(float)
+        _, decision = controller.allocate(trees, context)
+        assert decision.predicted_step_s == pytest.approx(model.predict(1.0 + decision.nodes, context), rel=1e-9)
+
+
+def test_per_request_acceptance_favours_the_request_whose_drafts_land():
+    model = h100_model()
+    controller = BudgetController(BudgetPolicy.parse("goodput"), model, per_request_acceptance=True)
+    trees, context, ids = chain_trees(2, 0.6), np.full(2, 1024), ["lands", "misses"]
+    for _ in range(20):  # same calibrated trees; one request's drafts are always accepted, the other's never
+        _, d = controller.allocate(trees, context, request_ids=ids)
+        controller.observe(d, realized_draft_tokens=float(d.nodes[0]), draft_s=0.0, cap=64,
+                           realized_per_request=[int(d.nodes[0]), 0])
+    factors = controller.request_factors(ids, 2)
+    assert factors[0] > 1.0 > factors[1]
+    _, d = controller.allocate(trees, context, request_ids=ids)
+    assert d.nodes[0] > d.nodes[1]
+    assert controller.request_factors(["new"], 1)[0] == pytest.approx(controller.acceptance_scale)  # no history yet

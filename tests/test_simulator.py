@@ -4,6 +4,8 @@ built here from the calibration split's outputs (never the evaluated prompts).""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -153,3 +155,28 @@ def test_cli_errors_name_the_fix(capsys):
     with pytest.raises(SystemExit):
         simulate_main(["--hardware", "TPU-v9"])
     assert "unknown hardware" in capsys.readouterr().err
+
+
+def test_host_overhead_is_charged_per_step_and_per_running_request(eval_trajectories, drafter):
+    workload = Workload(tuple(eval_trajectories), 32, tuple(closed_loop_arrivals(len(eval_trajectories))), 3)
+    per_step, per_request = 0.004, 0.001
+    plain = simulate(h100(), workload, "fixed:4", drafter, host_time="none")
+    loaded = simulate(dataclasses.replace(h100(), host_overhead=(per_step, per_request)), workload, "fixed:4", drafter,
+                      host_time="none")
+    assert loaded.outputs == plain.outputs and loaded.metrics["steps"] == plain.metrics["steps"]
+    request_steps = (loaded.tokens - len(eval_trajectories)) / loaded.metrics["tau"]  # sum of batch sizes
+    expected = per_step * loaded.metrics["steps"] + per_request * request_steps
+    assert loaded.metrics["host_s"] == pytest.approx(expected, rel=1e-6)
+    assert loaded.seconds > plain.seconds
+
+
+def test_host_overhead_fit_recovers_a_per_step_and_per_request_cost():
+    from benchmarks.throughput import fit_host_overhead
+
+    rng = np.random.default_rng(0)
+    batches = rng.integers(1, 33, 400)
+    seconds = 0.0006 + 0.00005 * batches + rng.normal(0, 1e-5, batches.size)
+    a, b = fit_host_overhead(list(zip(batches.tolist(), seconds.tolist())))
+    assert a == pytest.approx(0.0006, rel=0.05) and b == pytest.approx(0.00005, rel=0.05)
+    assert fit_host_overhead([]) == [0.0, 0.0]
+    assert min(fit_host_overhead([(1, 0.001), (2, 0.0005), (4, 0.0001)])) >= 0  # never a negative cost

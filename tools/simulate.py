@@ -11,10 +11,15 @@ comes from the roofline step-time model of the chosen model shape (`tools/model_
 `config.json`, with a tensor-parallel degree) on the chosen device (`KNOWN_HARDWARE` or a measured profile JSON).
 Nothing sleeps. Host work is charged to the clock as measured on this machine, per `--host-time`:
 
-    measured   all orchestrator work between engine calls (drafting, budgeting, acceptance, bookkeeping): what a
-               run on this machine pays (used to validate against the CPU throughput benchmark)
-    draft      drafting only (a deployment whose scheduler is native code but drafts with this drafter)
+    measured   all orchestrator work between engine calls (drafting, budgeting, acceptance, bookkeeping) as this
+               machine runs it with the simulated engine
+    draft      drafting and the budget controller's allocation only (a deployment whose scheduler is native code
+               but drafts and budgets with this code)
     none       nothing (drafting fully overlapped with verification, SPIN-style)
+
+A deployment's `host_overhead` (seconds per step + per running request) is charged on top: the engine-side host
+work a real engine does per step (acceptance bookkeeping, KV commits, streaming), which the simulated engine does not.
+`benchmarks/simulator_validation.py` uses `draft` plus the host overhead fitted in the measured CPU run.
 
 Workloads: closed loop (every request submitted at t=0, at most `concurrency` running: the throughput benchmark),
 Poisson arrivals at a rate, or a CSV trace of arrival timestamps. Metrics per run: throughput, latency
@@ -27,6 +32,7 @@ import argparse
 import csv
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -76,11 +82,16 @@ class Deployment:
     prefill_coefficients: tuple[float, ...] | None = None  # a separate fit for prefills (None = same as steps)
     max_context: int = 8192
     kv_blocks: int = 1 << 20  # KV capacity in 16-token blocks (ample by default: the simulator studies speed)
+    # Host work per step beyond drafting (acceptance, KV commits, streaming): seconds per step and per running
+    # request, charged on top of `host_time`. Zero by default; `benchmarks/throughput.py` fits it on the CPU.
+    host_overhead: tuple[float, float] = (0.0, 0.0)
+    attention_layout: str = "packed"  # the engine's (`StepTimeModel.attention_layout`): TensorRT-LLM packs
 
     def step_model(self, *, prefill: bool = False) -> StepTimeModel:
         chosen = self.prefill_coefficients if prefill and self.prefill_coefficients else self.coefficients
         coefficients = None if chosen is None else np.asarray(chosen, dtype=np.float64)
-        return StepTimeModel(self.shape, self.hardware, dtype=self.dtype, coefficients=coefficients)
+        return StepTimeModel(self.shape, self.hardware, dtype=self.dtype, coefficients=coefficients,
+                             attention_layout=self.attention_layout)
 
 
 @dataclass(frozen=True)
@@ -167,9 +178,11 @@ class SimulationResult:
 
 
 def simulate(deployment: Deployment, workload: Workload, policy: str, drafter, *, host_time: str = "measured",
-             max_nodes: int = 64) -> SimulationResult:
+             max_nodes: int = 64, controller_coefficients: Sequence[float] | None = None) -> SimulationResult:
     """Serve `workload` with `policy` on a simulated `deployment`; `drafter` is a real `Drafter` (state is released
-    per request, so one drafter serves many simulations)."""
+    per request, so one drafter serves many simulations). The budget controller's step-time model starts from
+    `controller_coefficients` when given (what a real controller knew at start-up), else from the deployment's, and
+    refits itself online from the simulated steps as the real one does."""
     if host_time not in HOST_TIME:
         raise ValueError(f"host_time must be one of {HOST_TIME}; got {host_time!r}")
     clock = SimClock()
@@ -178,7 +191,10 @@ def simulate(deployment: Deployment, workload: Workload, policy: str, drafter, *
     engine = SimulatedEngine(deployment.step_model(), clock, trajectories=outputs, vocab_size=deployment.shape.vocab,
                              eos_token_ids=tuple(eos), max_context=deployment.max_context,
                              num_blocks=deployment.kv_blocks, prefill_model=deployment.step_model(prefill=True))
-    controller = BudgetController(BudgetPolicy.parse(policy, max_nodes_per_request=max_nodes), deployment.step_model())
+    controller_model = deployment.step_model()
+    if controller_coefficients is not None:
+        controller_model.coefficients = np.asarray(controller_coefficients, dtype=np.float64)
+    controller = BudgetController(BudgetPolicy.parse(policy, max_nodes_per_request=max_nodes), controller_model)
     orchestrator = Orchestrator(engine, drafter, controller, max_running=workload.concurrency, clock=clock)
 
     timelines: dict[str, _Timeline] = {}
@@ -213,7 +229,10 @@ def simulate(deployment: Deployment, workload: Workload, policy: str, drafter, *
         wall, engine_wall = time.perf_counter(), engine.wall_s
         record = orchestrator.step()
         host = time.perf_counter() - wall - (engine.wall_s - engine_wall)
-        charged = host if host_time == "measured" else (record.draft_s if record and host_time == "draft" else 0.0)
+        planned = record.draft_s + record.budget_s if record else 0.0  # drafting and the budget controller
+        charged = host if host_time == "measured" else (planned if host_time == "draft" else 0.0)
+        if record is not None:
+            charged += deployment.host_overhead[0] + deployment.host_overhead[1] * record.batch
         clock.advance(charged)
         host_s += charged
 

@@ -154,6 +154,10 @@ class TorchEngine:
         engine.commit("a", acc.accepted_nodes, next_root=acc.bonus_token)
     """
 
+    # One batched SDPA per layer over requests padded to the deepest tree and the longest context (see
+    # `_PagedAttention`): the step-time model charges attention that way (`StepTimeModel.attention_layout`).
+    attention_layout = "padded"
+
     def __init__(
         self,
         model: "str | Transformer" = "default",

@@ -126,7 +126,7 @@ class ServingStack:
             spec = NOMINAL_CPU
         else:
             spec = hardware(config.hardware)
-        step_model = StepTimeModel(shape, spec, dtype=config.dtype)
+        step_model = StepTimeModel(shape, spec, dtype=config.dtype, attention_layout=engine.attention_layout)
         if config.fit_step_model:
             from orchestrator.profiling import fit_step_model
 
