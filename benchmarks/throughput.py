@@ -66,12 +66,9 @@ class _PolicyRun:
         self.elapsed = 0.0
         self.step_started: float | None = None
         # Each controller owns its step-time model, as a served orchestrator does: the start-up fit, then refit
-        # online from its own recent steps (the default window). A model shared by every policy and every group of
-        # the run would predict a cap-1 step from a fit dominated by other batch shapes.
-        own_model = StepTimeModel(step_model.shape, step_model.hardware, dtype=step_model.dtype,
-                                  coefficients=step_model.coefficients.copy(),
-                                  attention_layout=step_model.attention_layout)
-        controller = BudgetController(BudgetPolicy.parse(policy), own_model)
+        # online from its own recent steps (the default window) and the start-up sweep. A model shared by every
+        # policy and every group of the run would predict a cap-1 step from a fit dominated by other batch shapes.
+        controller = BudgetController(BudgetPolicy.parse(policy), step_model.clone())
         self.orchestrator = Orchestrator(engine, drafter, controller, max_running=cap, clock=self.clock)
         self.finished: dict[str, float] = {}
         self.outputs: dict[str, list[int]] = {}

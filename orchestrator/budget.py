@@ -33,8 +33,15 @@ Closed loop (`observe`, called by the orchestrator after every step):
 - drafting cap: the next step drafts at most twice the largest tree the controller just chose (at least 8), so large
   batches do not draft 64 nodes per request to send two;
 - marginal cost: goodput hinges on what the speculated tokens add to a plain step, which a global least-squares fit
-  can get wrong at the current operating point. Measured / predicted time of plain steps (`plain_scale`) and of the
-  speculated part of speculating steps (`marginal_scale`) are tracked and applied to the prediction.
+  can get wrong at the current operating point. Measured / predicted time of plain steps (`plain_scale`, a moving
+  average) and of the speculated part of speculating steps (`marginal_scale`, a decayed least-squares slope of
+  measured over predicted extra time, both relative to the plain step) are tracked and applied to the prediction;
+- the engine's attention layout (`StepTimeModel.attention_layout`): on an engine that pads every request of a step
+  to the deepest tree (`TorchEngine`), the candidate that deepens the deepest tree costs attention rows for every
+  request, so the allocation spreads nodes across requests unless one request's nodes are worth that.
+
+Opt-in (`per_request_acceptance=True`): each request's node probabilities are scaled by its own realized / predicted
+accepted tokens so far, shrunk toward the batch-wide scale (SpecServe §4).
 """
 
 from __future__ import annotations

@@ -16,13 +16,16 @@ from orchestrator.roofline import HardwareSpec, StepTimeModel
 from trt_engines.base import TargetEngine, VerifyItem
 
 
+SWEEP_BATCHES, SWEEP_NODES, SWEEP_CONTEXTS = (1, 4, 16), (0, 3, 15, 31), (128, 512)  # the start-up sweep's grid
+
+
 def fit_step_model(
     engine: TargetEngine,
     model: StepTimeModel,
     *,
-    batches: tuple[int, ...] = (1, 4, 16),
-    nodes: tuple[int, ...] = (0, 3, 15, 31),
-    contexts: tuple[int, ...] = (128, 512),
+    batches: tuple[int, ...] = SWEEP_BATCHES,
+    nodes: tuple[int, ...] = SWEEP_NODES,
+    contexts: tuple[int, ...] = SWEEP_CONTEXTS,
     repeats: int = 2,
     seed: int = 0,
 ) -> float:

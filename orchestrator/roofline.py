@@ -153,6 +153,8 @@ class StepTimeModel:
             self.coefficients = np.array([self.hardware.overhead_s, 1.0, 1.0, 1.0, 0.0])
         self.coefficients = np.asarray(self.coefficients, dtype=np.float64)
         self._samples = deque(maxlen=self.window)
+        self._anchors: list[tuple[np.ndarray, float]] = []  # the start-up calibration sweep (`fit`), kept for refits
+        self._observed = 0
 
     # -- roofline terms (seconds), vectorised over the leading axis of their arguments ---------------------------
     def _op(self, flops, bytes_):
@@ -213,18 +215,32 @@ class StepTimeModel:
 
     # -- fitting ----------------------------------------------------------------------------------------------
     def observe(self, tokens, context, measured_s: float, *, refit_every: int = 16) -> None:
-        """Record a measured step; refit every `refit_every` observations once enough have been seen."""
+        """Record a measured step; refit every `refit_every` observations once enough have been seen.
+
+        Refits use the recent window plus the start-up calibration sweep: a server under sustained load sees
+        nearly identical steps (plain decoding at one batch size), from which alone the cost of extra tokens cannot
+        be told apart from the fixed cost, and a refit on them would make speculation look free."""
         self._samples.append((self.features(tokens, context), float(measured_s)))
-        if len(self._samples) >= 8 and len(self._samples) % refit_every == 0:
-            self.fit_samples(list(self._samples))
+        self._observed += 1
+        if len(self._samples) >= 8 and self._observed % refit_every == 0:
+            self.fit_samples(self._anchors + list(self._samples))
 
     def samples(self) -> list[tuple[np.ndarray, float]]:
         """The (features, measured seconds) pairs kept for refitting (the last `window` observed steps)."""
         return list(self._samples)
 
     def fit(self, steps: list[tuple[np.ndarray, np.ndarray, float]]) -> None:
-        """Least-squares fit from (tokens, context, measured seconds) triples."""
-        self.fit_samples([(self.features(t, c), m) for t, c, m in steps])
+        """Least-squares fit from (tokens, context, measured seconds) triples: a calibration sweep, which later
+        online refits keep using beside the recent steps."""
+        self._anchors = [(self.features(t, c), float(m)) for t, c, m in steps]
+        self.fit_samples(self._anchors)
+
+    def clone(self) -> "StepTimeModel":
+        """The same model and calibration sweep, with its own (empty) window of online samples."""
+        twin = StepTimeModel(self.shape, self.hardware, dtype=self.dtype, coefficients=self.coefficients.copy(),
+                             window=self.window, attention_layout=self.attention_layout)
+        twin._anchors = list(self._anchors)
+        return twin
 
     def fit_samples(self, samples: list[tuple[np.ndarray, float]]) -> None:
         X = np.stack([f for f, _ in samples])

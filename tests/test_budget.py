@@ -220,3 +220,19 @@ def test_per_request_acceptance_favours_the_request_whose_drafts_land():
     _, d = controller.allocate(trees, context, request_ids=ids)
     assert d.nodes[0] > d.nodes[1]
     assert controller.request_factors(["new"], 1)[0] == pytest.approx(controller.acceptance_scale)  # no history yet
+
+
+def test_online_refits_keep_the_start_up_sweep():
+    # Under sustained load every step looks alike (plain decoding, one batch size): a refit on those alone cannot
+    # tell the cost of extra tokens from the fixed cost. The start-up sweep stays in every refit.
+    truth = StepTimeModel(LLAMA_8B, KNOWN_HARDWARE["H100-SXM"], coefficients=np.array([0.002, 1.3, 1.1, 1.0, 0.0]))
+    sweep = [(np.full(b, n + 1.0), np.full(b, float(c)), truth.predict(np.full(b, n + 1.0), np.full(b, float(c))))
+             for b in (1, 4, 16) for n in (0, 3, 15, 31) for c in (128, 512)]
+    model = StepTimeModel(LLAMA_8B, KNOWN_HARDWARE["H100-SXM"])
+    model.fit(sweep)
+    twin = model.clone()
+    assert np.allclose(twin.coefficients, model.coefficients) and twin.samples() == []
+    for _ in range(64):  # plain steps only, all at batch 32 and context 1000
+        twin.observe(np.ones(32), np.full(32, 1000.0), truth.predict(np.ones(32), np.full(32, 1000.0)))
+    speculative = (np.full(32, 9.0), np.full(32, 1000.0))
+    assert twin.predict(*speculative) == pytest.approx(truth.predict(*speculative), rel=0.02)

@@ -40,6 +40,7 @@ import numpy as np
 
 from orchestrator.budget import BudgetController, BudgetPolicy
 from orchestrator.core import Orchestrator
+from orchestrator.profiling import SWEEP_BATCHES, SWEEP_CONTEXTS, SWEEP_NODES
 from orchestrator.request import GenerationRequest
 from orchestrator.roofline import (
     KNOWN_HARDWARE,
@@ -177,6 +178,19 @@ class SimulationResult:
     outputs: list[list[int]] = field(default_factory=list)  # per request, in workload order
 
 
+def _start_up_model(deployment: Deployment, coefficients: Sequence[float] | None) -> StepTimeModel:
+    """The controller's step-time model as a real server starts it: fitted on the start-up sweep
+    (`orchestrator.profiling.fit_step_model`'s grid, timed here by the deployment's own model), which its online
+    refits keep; `coefficients` (when given) replace the fit, as when replaying a measured run's start."""
+    truth, model = deployment.step_model(), deployment.step_model()
+    grid = [(np.full(b, n + 1.0), np.full(b, float(c))) for b in SWEEP_BATCHES for n in SWEEP_NODES
+            for c in SWEEP_CONTEXTS]
+    model.fit([(t, c, truth.predict(t, c)) for t, c in grid])
+    if coefficients is not None:
+        model.coefficients = np.asarray(coefficients, dtype=np.float64)
+    return model
+
+
 def simulate(deployment: Deployment, workload: Workload, policy: str, drafter, *, host_time: str = "measured",
              max_nodes: int = 64, controller_coefficients: Sequence[float] | None = None) -> SimulationResult:
     """Serve `workload` with `policy` on a simulated `deployment`; `drafter` is a real `Drafter` (state is released
@@ -191,9 +205,7 @@ def simulate(deployment: Deployment, workload: Workload, policy: str, drafter, *
     engine = SimulatedEngine(deployment.step_model(), clock, trajectories=outputs, vocab_size=deployment.shape.vocab,
                              eos_token_ids=tuple(eos), max_context=deployment.max_context,
                              num_blocks=deployment.kv_blocks, prefill_model=deployment.step_model(prefill=True))
-    controller_model = deployment.step_model()
-    if controller_coefficients is not None:
-        controller_model.coefficients = np.asarray(controller_coefficients, dtype=np.float64)
+    controller_model = _start_up_model(deployment, controller_coefficients)
     controller = BudgetController(BudgetPolicy.parse(policy, max_nodes_per_request=max_nodes), controller_model)
     orchestrator = Orchestrator(engine, drafter, controller, max_running=workload.concurrency, clock=clock)
 
