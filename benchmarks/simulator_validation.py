@@ -66,7 +66,7 @@ def row_trajectories(recorded: list[Trajectory], outputs: list[np.ndarray] | Non
                        "eos" if len(o) and int(o[-1]) in eos else "length") for t, o in zip(recorded, outputs)]
 
 
-def validate(measured: dict, *, host_time: str = "draft", fit: str = "group") -> dict:
+def validate(measured: dict, *, host_time: str = "plan", fit: str = "group") -> dict:
     """Replay every measured row. `fit="group"`: each (set, cap) group with the step-time fit of its own steps;
     `fit="run"`: every row with the one fit over the whole run."""
     for key in ("hardware", "step_model", "rows", "max_tokens") + (("group_fits",) if fit == "group" else ()):

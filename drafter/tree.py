@@ -83,6 +83,19 @@ class DraftTree:
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
+    def subtree(self, keep: np.ndarray) -> "DraftTree":
+        """The nodes `keep` (increasing indices, closed under ancestors), re-indexed parents-first. Depths carry
+        over, so no per-node pass is needed (the budget controller prunes every request's tree every step)."""
+        keep = np.asarray(keep, dtype=np.int64)
+        remap = np.full(len(self), -1, np.int32)
+        remap[keep] = np.arange(keep.size, dtype=np.int32)
+        parents = self.parents[keep]
+        new_parents = np.where(parents >= 0, remap[np.maximum(parents, 0)], -1).astype(np.int32)
+        if np.any((parents >= 0) & (new_parents < 0)):
+            raise InvalidTreeError("subtree: a kept node's parent was not kept")
+        return DraftTree(tokens=self.tokens[keep], parents=new_parents, probs=self.probs[keep],
+                         depth=self.depth[keep], source=self.source[keep])
+
     @property
     def expected_accepted(self) -> float:
         """Calibrated expected number of accepted draft tokens (excluding the bonus token)."""

@@ -98,16 +98,8 @@ def prune_tree(tree: DraftTree, n: int) -> DraftTree:
         return tree
     if n <= 0:
         return DraftTree.empty()
-    keep = np.sort(np.lexsort((np.arange(len(tree)), -tree.probs))[:n])
-    remap = np.full(len(tree), -1, np.int32)
-    remap[keep] = np.arange(n, dtype=np.int32)
-    parents = tree.parents[keep]
-    return DraftTree.from_arrays(
-        tokens=tree.tokens[keep],
-        parents=np.where(parents >= 0, remap[np.maximum(parents, 0)], -1),
-        probs=tree.probs[keep],
-        source=tree.source[keep],
-    )
+    # stable argsort of -probs: ties keep the lower index, so every kept node's ancestors are kept too
+    return tree.subtree(np.sort(np.argsort(-tree.probs, kind="stable")[:n]))
 
 
 class BudgetController:
@@ -267,10 +259,11 @@ class BudgetController:
         ones = np.ones(b)
         # Candidates of the whole batch, best first by expected accepted tokens (the request's factor times the
         # node's calibrated path probability, at most 1); scaling a tree by one factor keeps prune_tree's order.
-        owner = np.concatenate([np.full(len(t), i, np.int64) for i, t in enumerate(trees)] + [np.empty(0, np.int64)])
-        raw_probs = np.concatenate([t.probs.astype(np.float64) for t in trees] + [np.empty(0)])
+        sizes = np.array([len(t) for t in trees], dtype=np.int64)
+        owner = np.repeat(np.arange(b), sizes)
+        raw_probs = np.concatenate([t.probs for t in trees] + [np.empty(0, np.float32)]).astype(np.float64)
         probs = np.minimum(factors[owner] * raw_probs, 1.0)
-        index = np.concatenate([np.arange(len(t)) for t in trees] + [np.empty(0, np.int64)])
+        index = np.arange(owner.shape[0]) - np.repeat(np.cumsum(sizes) - sizes, sizes)
         order = np.lexsort((index, owner, -probs))
         owner, probs, raw_probs = owner[order], probs[order], raw_probs[order]
         k_max = owner.shape[0]

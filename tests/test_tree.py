@@ -86,3 +86,12 @@ def test_best_path_maximises_expected_accepted_tokens():
     assert tree.best_path(max_len=1).tokens.tolist() == [10]
     assert tree.best_path(max_len=2).tokens.tolist() == [12, 13]  # 0.6 + 0.55 > 0.9 + 0.2
     assert len(DraftTree.empty().best_path()) == 0 and len(tree.best_path(max_len=0)) == 0
+
+
+def test_subtree_keeps_depths_and_refuses_an_orphan():
+    tree = DraftTree.from_arrays(tokens=[5, 6, 7, 8, 9], parents=[-1, 0, 1, -1, 3])
+    sub = tree.subtree(np.array([0, 1, 3]))
+    sub.validate()
+    assert sub.tokens.tolist() == [5, 6, 8] and sub.parents.tolist() == [-1, 0, -1] and sub.depth.tolist() == [1, 2, 1]
+    with pytest.raises(InvalidTreeError, match="parent was not kept"):
+        tree.subtree(np.array([0, 2]))  # node 2's parent (1) is missing

@@ -13,13 +13,13 @@ Nothing sleeps. Host work is charged to the clock as measured on this machine, p
 
     measured   all orchestrator work between engine calls (drafting, budgeting, acceptance, bookkeeping) as this
                machine runs it with the simulated engine
-    draft      drafting and the budget controller's allocation only (a deployment whose scheduler is native code
-               but drafts and budgets with this code)
+    plan       drafting and the budget controller's allocation (a deployment that runs this Python scheduler)
+    draft      drafting only (a deployment whose scheduler is native code but drafts with this drafter)
     none       nothing (drafting fully overlapped with verification, SPIN-style)
 
 A deployment's `host_overhead` (seconds per step + per running request) is charged on top: the engine-side host
 work a real engine does per step (acceptance bookkeeping, KV commits, streaming), which the simulated engine does not.
-`benchmarks/simulator_validation.py` uses `draft` plus the host overhead fitted in the measured CPU run.
+`benchmarks/simulator_validation.py` uses `plan` plus the host overhead fitted in the measured CPU run.
 
 Workloads: closed loop (every request submitted at t=0, at most `concurrency` running: the throughput benchmark),
 Poisson arrivals at a rate, or a CSV trace of arrival timestamps. Metrics per run: throughput, latency
@@ -54,7 +54,7 @@ from tools.trajectories import Trajectory, load_trajectories, trajectory_path
 from trt_engines.simulated_engine import SimClock, SimulatedEngine
 
 MODEL_SHAPES_DIR = Path(__file__).resolve().parent / "model_shapes"
-HOST_TIME = ("measured", "draft", "none")
+HOST_TIME = ("measured", "plan", "draft", "none")
 
 
 def model_config(name_or_path: str) -> dict:
@@ -186,8 +186,9 @@ def _start_up_model(deployment: Deployment, coefficients: Sequence[float] | None
     grid = [(np.full(b, n + 1.0), np.full(b, float(c))) for b in SWEEP_BATCHES for n in SWEEP_NODES
             for c in SWEEP_CONTEXTS]
     model.fit([(t, c, truth.predict(t, c)) for t, c in grid])
-    if coefficients is not None:
-        model.coefficients = np.asarray(coefficients, dtype=np.float64)
+    # The sweep stays for refits, but the start is the deployment's own model: a refit on the sweep's narrow grid
+    # alone can land on other coefficients that fit it equally well and extrapolate worse (batch 64, long contexts).
+    model.coefficients = np.asarray(truth.coefficients if coefficients is None else coefficients, dtype=np.float64)
     return model
 
 
@@ -241,8 +242,12 @@ def simulate(deployment: Deployment, workload: Workload, policy: str, drafter, *
         wall, engine_wall = time.perf_counter(), engine.wall_s
         record = orchestrator.step()
         host = time.perf_counter() - wall - (engine.wall_s - engine_wall)
-        planned = record.draft_s + record.budget_s if record else 0.0  # drafting and the budget controller
-        charged = host if host_time == "measured" else (planned if host_time == "draft" else 0.0)
+        if host_time == "measured":
+            charged = host
+        elif record is None or host_time == "none":
+            charged = 0.0
+        else:
+            charged = record.draft_s + (record.budget_s if host_time == "plan" else 0.0)
         if record is not None:
             charged += deployment.host_overhead[0] + deployment.host_overhead[1] * record.batch
         clock.advance(charged)
