@@ -167,7 +167,8 @@ def test_host_overhead_is_charged_per_step_and_per_running_request(eval_trajecto
     request_steps = (loaded.tokens - len(eval_trajectories)) / loaded.metrics["tau"]  # sum of batch sizes
     expected = per_step * loaded.metrics["steps"] + per_request * request_steps
     assert loaded.metrics["host_s"] == pytest.approx(expected, rel=1e-6)
-    assert loaded.seconds > plain.seconds
+    # simulated time, not wall time: the charged overhead lowers simulated throughput
+    assert loaded.metrics["tokens_per_s"] < plain.metrics["tokens_per_s"]
 
 
 def test_host_overhead_fit_recovers_a_per_step_and_per_request_cost():
