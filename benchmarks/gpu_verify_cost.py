@@ -197,6 +197,48 @@ def compare(rows: list[dict], shape, profiles: dict) -> dict:
     return comparison
 
 
+LAYOUT_NODES, LAYOUT_CONTEXT, LAYOUT_BATCHES = 60, 2048, (4, 16, 32)
+
+
+def layout_check(engine, rng: np.random.Generator, *, repeats: int) -> list[dict]:
+    """The same 60 tree nodes per step, spread evenly over the batch or all on one request: a packed (varlen)
+    attention costs the same either way, a padded one makes every request pay for the deepest tree."""
+    from trt_engines.base import VerifyItem
+
+    out = []
+    for b in LAYOUT_BATCHES:
+        for rid in list(engine.requests):
+            engine.release(rid)
+        for i in range(b):
+            engine.add_synthetic_request(f"s{i}", LAYOUT_CONTEXT)
+        even = [LAYOUT_NODES // b + (i < LAYOUT_NODES % b) for i in range(b)]
+        for kind, nodes in (("even", even), ("one deep tree", [LAYOUT_NODES] + [0] * (b - 1))):
+            items = [VerifyItem(f"s{i}", bushy_tree(n, rng, engine.vocab_size)) for i, n in enumerate(nodes)]
+            engine.verify(items)
+            wall = statistics.median(engine.verify(items).timings["total_ms"] for _ in range(repeats))
+            row = {"batch": b, "context": LAYOUT_CONTEXT, "kind": kind, "nodes": nodes, "ms": wall,
+                   "device_busy_ms": device_busy_ms(engine, items)}
+            out.append(row)
+            print(f"layout check b={b:<3d} {kind:14s} {wall:8.2f} ms, busy {row['device_busy_ms'] or 0:.2f}", flush=True)
+    return out
+
+
+def predict_layouts(layout_rows: list[dict], shape, measured, comparison: dict) -> None:
+    """Each layout row's busy time as predicted by the model fitted to the grid's busy times (uniform trees, where
+    the two layouts agree), once per attention layout."""
+    from orchestrator.roofline import StepTimeModel
+
+    coefficients = comparison.get("fitted_to_device_busy_coefficients")
+    if coefficients is None:
+        return
+    for row in layout_rows:
+        tokens = 1.0 + np.asarray(row["nodes"], np.float64)
+        context = np.full(len(row["nodes"]), float(row["context"]))
+        for layout in ("packed", "padded"):
+            model = StepTimeModel(shape, measured, coefficients=np.asarray(coefficients), attention_layout=layout)
+            row[f"predicted_busy_ms_{layout}"] = model.predict(tokens, context) * 1e3
+
+
 def run(model_name: str, *, budget_s: float, max_kv_tokens: int, device_name: str = "cuda", quick: bool = False,
         repeats: int = 9, profile_points: tuple = ()) -> dict:
     import torch
@@ -246,6 +288,7 @@ def run(model_name: str, *, budget_s: float, max_kv_tokens: int, device_name: st
         if (b, n, c) in profile_points:
             profiles_text.append(profile_verify(engine, items, f"b={b} nodes={n} ctx={c}"))
 
+    layout_rows = [] if quick else layout_check(engine, rng, repeats=repeats)
     measured = measure_hardware(device_name)
     profiles = {"measured": measured}
     device_label = torch.cuda.get_device_name(device) if device.type == "cuda" else measured.name
@@ -253,8 +296,10 @@ def run(model_name: str, *, budget_s: float, max_kv_tokens: int, device_name: st
     if sheet:
         profiles[sheet] = KNOWN_HARDWARE[sheet]
     comparison = compare(rows, ModelShape.from_config(config), profiles)
+    predict_layouts(layout_rows, ModelShape.from_config(config), measured, comparison["measured"])
     return {"model": model_name, "device": device_label, "torch": torch.__version__,
             "rows": rows, "skipped": skipped, "comparison": comparison, "profiles": profiles_text,
+            "layout_rows": layout_rows,
             "measured_hardware": {"name": measured.name, "peak_flops": measured.peak_flops,
                                   "mem_bandwidth": measured.mem_bandwidth, "overhead_s": measured.overhead_s}}
 
@@ -299,12 +344,12 @@ def write_markdown(path: Path, result: dict) -> None:
                   f"{c['fitted_to_device_busy_median_abs_rel_err_heldout']:.1%} |"
                   for label, c in result["comparison"].items()]
         fit = result["comparison"]["measured"]["fitted_to_device_busy_coefficients"]
-        lines += ["", "Reading: fitted to busy time with the measured profile, the model's coefficients are "
+        lines += ["", ("Reading: fitted to busy time with the measured profile, the model's coefficients are "
                   f"{fit[1]:.2f} x the roofline of the linear layers, {fit[2]:.2f} x that of attention (the engine "
                   "copies each request's KV blocks into one padded buffer before SDPA, so it moves the cache about "
                   f"three times) and a fixed {fit[0] * 1e3:.1f} ms per step (norms, RoPE, gathers: small kernels). "
                   "Wall time is higher again at small batches: eager PyTorch launches every kernel from Python, "
-                  "and the GPU waits for the host (see `gpu_profile.txt` when written with `--profile`)."]
+                  "and the GPU waits for the host (see `gpu_profile.txt` when written with `--profile`).")]
     m = result["measured_hardware"]
     lines += ["", "Measured profile: " + ", ".join(f"{k} {v / 1e12:.0f} TFLOP/s" for k, v in m["peak_flops"].items())
               + f", bandwidth {m['mem_bandwidth'] / 1e12:.2f} TB/s, overhead {m['overhead_s'] * 1e6:.0f} us.", ""]
@@ -320,6 +365,15 @@ def write_markdown(path: Path, result: dict) -> None:
         busy = "" if r.get("device_busy_ms") is None else f"{r['device_busy_ms']:.2f}"
         lines.append(f"| {r['batch']} | {r['nodes']} | {r['context']} | {r['ms']:.2f} | {busy} | "
                      + " | ".join(f"{r[f'roofline_ms_{x}']:.2f}" for x in labels) + " |")
+    if result.get("layout_rows") and all("predicted_busy_ms_padded" in r for r in result["layout_rows"]):
+        lines += ["", f"## Attention layout: {LAYOUT_NODES} tree nodes per step, spread evenly or on one request",
+                  "", ("Predicted busy time: the model fitted to the grid's busy times (uniform trees), in each "
+                  "`StepTimeModel.attention_layout`."), "",
+                  "| batch | context | nodes | wall ms | busy ms | predicted busy ms, packed | predicted busy ms, padded |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['batch']} | {r['context']} | {r['kind']} | {r['ms']:.2f} | {r['device_busy_ms']:.2f} | "
+                  f"{r['predicted_busy_ms_packed']:.2f} | {r['predicted_busy_ms_padded']:.2f} |"
+                  for r in result["layout_rows"]]
     if result["skipped"]:
         lines += ["", f"Skipped (time budget): {', '.join(result['skipped'])}"]
     path.write_text("\n".join(lines) + "\n")
