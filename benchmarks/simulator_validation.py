@@ -84,8 +84,8 @@ def validate(measured: dict, *, host_time: str = "plan", fit: str = "group") -> 
     group_fits = {(g["set"], g["cap"]): deployment(g["step_model"], g["prefill_model"], g.get("host_overhead"))
                   for g in measured.get("group_fits", [])}
     # one host-overhead fit for the run: the mean of the groups' (they differ by batch shape, not by machine drift)
-    host = np.mean([g["host_overhead"] for g in measured["group_fits"]], axis=0).tolist() if all(
-        "host_overhead" in g for g in measured.get("group_fits", [{}])) else None
+    overheads = [g["host_overhead"] for g in measured.get("group_fits", []) if "host_overhead" in g]
+    host = np.mean(overheads, axis=0).tolist() if overheads else None
     run_fit = deployment(measured["step_model"]["coefficients"],
                          measured["prefill_model"]["coefficients"] if "prefill_model" in measured else None, host)
     start_up = measured["step_model"].get("start_up_coefficients")

@@ -38,7 +38,7 @@ from orchestrator.budget import BudgetController, BudgetPolicy
 from orchestrator.core import Orchestrator
 from orchestrator.profiling import fit_step_model, measure_hardware
 from orchestrator.request import GenerationRequest
-from orchestrator.roofline import FEATURES, ModelShape, StepTimeModel
+from orchestrator.roofline import FEATURES, ModelShape, StepTimeModel, nonnegative_lstsq
 from tools.prompt_sets import PROMPT_SETS
 from tools.trajectories import load_trajectories, trajectory_path
 from trt_engines.prepare import resolve_model_dir
@@ -218,8 +218,7 @@ def run(sets: list[str], caps: list[int], policies: list[str], *, prompts_per_ca
     # One fit over every verify step of the run, and one over every prefill: what `retrospec simulate` uses to
     # replay this run (prefills are compute-bound and have their own constants).
     step_model.fit_samples(all_samples)
-    prefill_model = StepTimeModel(step_model.shape, step_model.hardware, dtype=step_model.dtype,
-                          attention_layout=step_model.attention_layout)
+    prefill_model = step_model.clone()
     prefill_model.fit([(np.array([float(n)]), np.zeros(1), t) for n, t in prefills])
     identity = identity_check(sets, policies, identity_prompts, max_tokens=min(max_tokens, 48))
     return {"rows": rows, "bf16_divergences": divergences, "step_fit_error": fit_error,
@@ -238,11 +237,9 @@ def _group_fit(step_model: StepTimeModel, set_name: str, cap: int, samples, pref
     """Step-time and prefill fits over one (set, cap) group's steps (all its policies ran side by side, so they saw
     the same machine): the simulator validation replays each group with its own fit, because this shared machine's
     speed drifts over a run of the whole benchmark."""
-    steps = StepTimeModel(step_model.shape, step_model.hardware, dtype=step_model.dtype,
-                          attention_layout=step_model.attention_layout)
+    steps = step_model.clone()
     steps.fit_samples(samples)
-    prefill = StepTimeModel(step_model.shape, step_model.hardware, dtype=step_model.dtype,
-                          attention_layout=step_model.attention_layout)
+    prefill = step_model.clone()
     prefill.fit([(np.array([float(n)]), np.zeros(1), t) for n, t in prefills])
     return {"set": set_name, "cap": cap, "steps": len(samples), "prefills": len(prefills),
             "step_model": steps.coefficients.tolist(), "prefill_model": prefill.coefficients.tolist(),
@@ -250,18 +247,12 @@ def _group_fit(step_model: StepTimeModel, set_name: str, cap: int, samples, pref
 
 
 def fit_host_overhead(host_steps: list[tuple[int, float]]) -> list[float]:
-    """Seconds of host work per step (beyond verify, drafting and prefill) as a + b x running requests, fitted by
-    least squares with a, b >= 0 (the simulator charges it per step)."""
+    """Seconds of host work per step (beyond verify, drafting, budgeting and prefill) as a + b x running requests,
+    fitted by least squares with a, b >= 0 (the simulator charges it per step)."""
     if not host_steps:
         return [0.0, 0.0]
     batch, seconds = np.array(host_steps, dtype=np.float64).T
-    X = np.stack([np.ones_like(batch), batch], axis=1)
-    coef, *_ = np.linalg.lstsq(X, seconds, rcond=None)
-    if (coef < 0).any():  # fall back to the better one-parameter model
-        per_step, per_request = max(seconds.mean(), 0.0), max(seconds.sum() / batch.sum(), 0.0)
-        err = [np.abs(seconds - per_step).sum(), np.abs(seconds - per_request * batch).sum()]
-        coef = np.array([per_step, 0.0]) if err[0] <= err[1] else np.array([0.0, per_request])
-    return coef.tolist()
+    return nonnegative_lstsq(np.stack([np.ones_like(batch), batch], axis=1), seconds).tolist()
 
 
 def identity_check(sets: list[str], policies: list[str], n_prompts: int, *, max_tokens: int) -> dict:

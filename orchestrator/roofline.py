@@ -231,9 +231,13 @@ class StepTimeModel:
 
     def fit(self, steps: list[tuple[np.ndarray, np.ndarray, float]]) -> None:
         """Least-squares fit from (tokens, context, measured seconds) triples: a calibration sweep, which later
-        online refits keep using beside the recent steps."""
-        self._anchors = [(self.features(t, c), float(m)) for t, c, m in steps]
+        online refits keep using beside the recent steps (`anchor`)."""
+        self.anchor(steps)
         self.fit_samples(self._anchors)
+
+    def anchor(self, steps: list[tuple[np.ndarray, np.ndarray, float]]) -> None:
+        """Keep (tokens, context, seconds) triples for every later online refit, without refitting now."""
+        self._anchors = [(self.features(t, c), float(m)) for t, c, m in steps]
 
     def clone(self) -> "StepTimeModel":
         """The same model and calibration sweep, with its own (empty) window of online samples."""
@@ -247,14 +251,14 @@ class StepTimeModel:
         y = np.array([m for _, m in samples])
         # Relative error matters (a 1 ms miss on a 2 ms step is worse than on a 50 ms one): weight rows by 1/y.
         w = 1.0 / np.maximum(y, 1e-6)
-        self.coefficients = _nonnegative_lstsq(X * w[:, None], y * w)
+        self.coefficients = nonnegative_lstsq(X * w[:, None], y * w)
 
     def free_budget(self) -> float:
         """Tokens per step (b*s) at which the linear layers turn compute-bound: peak * bytes / (2 * bandwidth)."""
         return self.hardware.flops(self.dtype) * DTYPE_BYTES[self.dtype] / (2 * self.hardware.mem_bandwidth)
 
 
-def _nonnegative_lstsq(X: np.ndarray, y: np.ndarray) -> np.ndarray:
+def nonnegative_lstsq(X: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Least squares with coefficients >= 0 (active-set: drop the most negative column, re-solve)."""
     active = np.ones(X.shape[1], dtype=bool)
     active &= np.abs(X).max(axis=0) > 0  # features that never vary carry no information

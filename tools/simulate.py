@@ -185,10 +185,11 @@ def _start_up_model(deployment: Deployment, coefficients: Sequence[float] | None
     truth, model = deployment.step_model(), deployment.step_model()
     grid = [(np.full(b, n + 1.0), np.full(b, float(c))) for b in SWEEP_BATCHES for n in SWEEP_NODES
             for c in SWEEP_CONTEXTS]
-    model.fit([(t, c, truth.predict(t, c)) for t, c in grid])
-    # The sweep stays for refits, but the start is the deployment's own model: a refit on the sweep's narrow grid
+    # The sweep is kept for refits, but the start is the deployment's own model: a fit on the sweep's narrow grid
     # alone can land on other coefficients that fit it equally well and extrapolate worse (batch 64, long contexts).
-    model.coefficients = np.asarray(truth.coefficients if coefficients is None else coefficients, dtype=np.float64)
+    model.anchor([(t, c, truth.predict(t, c)) for t, c in grid])
+    if coefficients is not None:
+        model.coefficients = np.asarray(coefficients, dtype=np.float64)
     return model
 
 
