@@ -225,8 +225,8 @@ def layout_check(engine, rng: np.random.Generator, *, repeats: int) -> list[dict
 
 def predict_layouts(layout_rows: list[dict], shape, measured, comparison: dict) -> None:
     """Each layout row's busy time as predicted by the model fitted to the grid's busy times (uniform trees, where
-    the two layouts agree), once per attention layout."""
-    from orchestrator.roofline import StepTimeModel
+    the layouts agree), once per attention layout."""
+    from orchestrator.roofline import ATTENTION_LAYOUTS, StepTimeModel
 
     coefficients = comparison.get("fitted_to_device_busy_coefficients")
     if coefficients is None:
@@ -234,7 +234,7 @@ def predict_layouts(layout_rows: list[dict], shape, measured, comparison: dict) 
     for row in layout_rows:
         tokens = 1.0 + np.asarray(row["nodes"], np.float64)
         context = np.full(len(row["nodes"]), float(row["context"]))
-        for layout in ("packed", "padded"):
+        for layout in ATTENTION_LAYOUTS:
             model = StepTimeModel(shape, measured, coefficients=np.asarray(coefficients), attention_layout=layout)
             row[f"predicted_busy_ms_{layout}"] = model.predict(tokens, context) * 1e3
 
@@ -299,7 +299,7 @@ def run(model_name: str, *, budget_s: float, max_kv_tokens: int, device_name: st
     predict_layouts(layout_rows, ModelShape.from_config(config), measured, comparison["measured"])
     return {"model": model_name, "device": device_label, "torch": torch.__version__,
             "rows": rows, "skipped": skipped, "comparison": comparison, "profiles": profiles_text,
-            "layout_rows": layout_rows,
+            "layout_rows": layout_rows, "engine_attention_layout": engine.attention_layout,
             "measured_hardware": {"name": measured.name, "peak_flops": measured.peak_flops,
                                   "mem_bandwidth": measured.mem_bandwidth, "overhead_s": measured.overhead_s}}
 
@@ -365,15 +365,18 @@ def write_markdown(path: Path, result: dict) -> None:
         busy = "" if r.get("device_busy_ms") is None else f"{r['device_busy_ms']:.2f}"
         lines.append(f"| {r['batch']} | {r['nodes']} | {r['context']} | {r['ms']:.2f} | {busy} | "
                      + " | ".join(f"{r[f'roofline_ms_{x}']:.2f}" for x in labels) + " |")
-    if result.get("layout_rows") and all("predicted_busy_ms_padded" in r for r in result["layout_rows"]):
+    rows = result.get("layout_rows") or []
+    layouts = [x for x in ("packed", "grouped", "padded") if rows and all(f"predicted_busy_ms_{x}" in r for r in rows)]
+    if layouts:
+        # results written before the engine grouped its attention calls carry no layout: it was one padded call
+        engine_layout = result.get("engine_attention_layout", "padded")
         lines += ["", f"## Attention layout: {LAYOUT_NODES} tree nodes per step, spread evenly or on one request",
-                  "", ("Predicted busy time: the model fitted to the grid's busy times (uniform trees), in each "
-                  "`StepTimeModel.attention_layout`."), "",
-                  "| batch | context | nodes | wall ms | busy ms | predicted busy ms, packed | predicted busy ms, padded |",
-                  "|---|---|---|---|---|---|---|"]
+                  "", (f"The engine measured here lays attention out as `{engine_layout}`. Predicted busy time: the "
+                  "model fitted to the grid's busy times (uniform trees), in each `StepTimeModel.attention_layout`."),
+                  "", "| batch | context | nodes | wall ms | busy ms | "
+                  + " | ".join(f"predicted busy ms, {x}" for x in layouts) + " |", "|---|---|---|---|---|" + "---|" * len(layouts)]
         lines += [f"| {r['batch']} | {r['context']} | {r['kind']} | {r['ms']:.2f} | {r['device_busy_ms']:.2f} | "
-                  f"{r['predicted_busy_ms_packed']:.2f} | {r['predicted_busy_ms_padded']:.2f} |"
-                  for r in result["layout_rows"]]
+                  + " | ".join(f"{r[f'predicted_busy_ms_{x}']:.2f}" for x in layouts) + " |" for r in rows]
     if result["skipped"]:
         lines += ["", f"Skipped (time budget): {', '.join(result['skipped'])}"]
     path.write_text("\n".join(lines) + "\n")

@@ -98,7 +98,7 @@ def validate(measured: dict, *, host_time: str = "plan", fit: str = "group") -> 
         eos = {int(t.output_ids[-1]) for t in recorded if t.finish_reason == "eos"}
         trajectories = row_trajectories(recorded, generated and generated[(row["set"], row["cap"], row["policy"])], eos)
         workload = Workload(tuple(trajectories), measured["max_tokens"], tuple(closed_loop_arrivals(len(trajectories))),
-                            row["cap"])
+                            row["cap"], ignore_eos=measured.get("output_lengths") == "reference")
         sim = simulate(deployment_of_row, workload, row["policy"], drafter, host_time=host_time,
                        controller_coefficients=start_up).metrics
         err = sim["tokens_per_s"] / row["tokens_per_s"] - 1.0

@@ -62,7 +62,7 @@ class _PolicyRun:
     """One policy's orchestrator and its own clock: the summed wall time of its own steps only."""
 
     def __init__(self, engine, drafter, step_model, policy: str, prompts: list[np.ndarray], *, cap: int,
-                 max_tokens: int):
+                 max_tokens: int, lengths: list[int] | None = None):
         self.elapsed = 0.0
         self.step_started: float | None = None
         # Each controller owns its step-time model, as a served orchestrator does: the start-up fit, then refit
@@ -74,9 +74,11 @@ class _PolicyRun:
         self.outputs: dict[str, list[int]] = {}
         self.steps: dict[str, int] = {}
         tag = policy.replace(":", "")
-        self.ids = [self.orchestrator.submit(
-            GenerationRequest(prompt_ids=tuple(int(t) for t in p), max_tokens=max_tokens), self.collect,
-            request_id=f"{tag}-p{i}") for i, p in enumerate(prompts)]
+        # `lengths`: exactly that many tokens per request, EOS ignored (the same work for every policy)
+        requests = [GenerationRequest(prompt_ids=tuple(int(t) for t in p), max_tokens=max_tokens) if lengths is None
+                    else GenerationRequest(prompt_ids=tuple(int(t) for t in p), max_tokens=n, ignore_eos=True)
+                    for p, n in zip(prompts, lengths or [max_tokens] * len(prompts))]
+        self.ids = [self.orchestrator.submit(r, self.collect, request_id=f"{tag}-p{i}") for i, r in enumerate(requests)]
 
     def clock(self) -> float:
         return self.elapsed + (time.perf_counter() - self.step_started if self.step_started is not None else 0.0)
@@ -95,15 +97,17 @@ class _PolicyRun:
 
 
 def serve_side_by_side(engine, drafter, step_model, policies: list[str], prompts: list[np.ndarray], *, cap: int,
-                       max_tokens: int) -> dict[str, dict]:
+                       max_tokens: int, lengths: list[int] | None = None) -> dict[str, dict]:
     """Serve every prompt (all arriving at t=0, at most `cap` running) with every policy at once: one step of each
     policy's orchestrator in turn, each timed on its own clock (the sum of its own steps' wall time).
 
     Interleaving at step granularity (tens of ms) makes a burst of background load on this shared machine hit every
     policy alike; whole runs one after the other differed by up to 20% on noise alone (a policy that sends zero
     nodes measured 0.82x `none`). Engine, drafter and step-time model are shared; request ids are per policy.
+    `lengths` (per prompt) fixes every request's output length, EOS ignored; otherwise up to `max_tokens` or EOS.
     """
-    runs = {p: _PolicyRun(engine, drafter, step_model, p, prompts, cap=cap, max_tokens=max_tokens) for p in policies}
+    runs = {p: _PolicyRun(engine, drafter, step_model, p, prompts, cap=cap, max_tokens=max_tokens, lengths=lengths)
+            for p in policies}
     while True:
         busy = [r for r in runs.values() if not r.orchestrator.idle]
         if not busy:
@@ -147,6 +151,7 @@ def _summarize_run(run: _PolicyRun) -> dict:
                          "other": wall - verify_s - prefill_s - draft_s - budget_s},
         "steps": len(records),
         "step_rel_errors": step_errors,
+        "step_model_median_abs_err": float(np.median(step_errors)) if step_errors else None,
         "prefills": prefills,
         "samples": samples,
         "host_steps": host_steps,
@@ -178,12 +183,17 @@ def run(sets: list[str], caps: list[int], policies: list[str], *, prompts_per_ca
         trajectories = load_trajectories(trajectory_path(set_name, "eval"))
         for cap in caps:
             prompts = [t.prompt_ids for t in trajectories[: prompts_per_cap(cap)]]
+            # Every policy generates each prompt's reference length (the target's own greedy output, from the recorded
+            # trajectory, up to max_tokens), EOS ignored, as vLLM's throughput benchmark fixes output lengths: in
+            # bf16 the policies' outputs part at near-ties, and a parted output that ends sooner or later changes a
+            # row's work, not its speed (with EOS honoured, one row's policies generated 1729 to 2046 tokens).
+            lengths = [min(max_tokens, len(t.output_ids)) for t in trajectories[: prompts_per_cap(cap)]]
             samples_before, prefills_before, host_steps = len(all_samples), len(prefills), []
             runs: dict[str, list[dict]] = {p: [] for p in policies}
             for r in range(rounds):
                 order = policies[r % len(policies):] + policies[: r % len(policies)]
                 for policy, result in serve_side_by_side(engine, drafter, step_model, order, prompts, cap=cap,
-                                                         max_tokens=max_tokens).items():
+                                                         max_tokens=max_tokens, lengths=lengths).items():
                     runs[policy].append(result)
             reference = runs["none"][0]["outputs"] if "none" in runs else None
             group = []
@@ -222,6 +232,7 @@ def run(sets: list[str], caps: list[int], policies: list[str], *, prompts_per_ca
     prefill_model.fit([(np.array([float(n)]), np.zeros(1), t) for n, t in prefills])
     identity = identity_check(sets, policies, identity_prompts, max_tokens=min(max_tokens, 48))
     return {"rows": rows, "bf16_divergences": divergences, "step_fit_error": fit_error,
+            "output_lengths": "reference",  # each request: its recorded trajectory's length, EOS ignored
             "step_model_median_abs_err": float(np.median(all_errors)) if all_errors else None,
             "identity": identity, "rounds": rounds, "group_fits": group_fits,
             "hardware": dataclasses.asdict(step_model.hardware),
@@ -303,7 +314,10 @@ def write_markdown(path: Path, result: dict) -> None:
         "# Offline throughput: speculation policies side by side",
         "",
         f"Command: `{result['command']}`. Model: SmolLM2-135M-Instruct, bf16, TorchEngine on {result['machine']}.",
-        f"{result['max_tokens']} new tokens per request; all requests arrive at t=0; at most `cap` run at once.",
+        (f"Each request generates its reference length (its recorded greedy output's, at most {result['max_tokens']} "
+         "tokens), EOS ignored, so every policy does the same work (in bf16 outputs may part at near-ties); "
+         if result.get("output_lengths") == "reference" else f"{result['max_tokens']} new tokens per request; ")
+        + "all requests arrive at t=0; at most `cap` run at once.",
         "All policies of a (set, cap) run side by side: one step of each policy in turn, each timed on its own clock "
         "(the sum of its own steps' wall time), so background load on this shared machine hits them alike."
         + (f" Each row is the fastest of {result['rounds']} such rounds (all rounds in the JSON)." if result["rounds"] > 1
@@ -363,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=1, help="serve each (set, cap, policy) this many times; "
                         "rows report the fastest round (a noisy machine only ever slows a run down)")
     parser.add_argument("--quick", action="store_true", help="2 sets, caps 1 and 4, 3 policies, 64 tokens")
+    parser.add_argument("--name", help="results file name (default: throughput, or throughput_quick with --quick); "
+                        "names ending in _quick are not committed")
     args = parser.parse_args(argv)
     if args.quick:
         args.sets, args.caps = ["grounded", "mtbench"], [1, 4]
@@ -381,13 +397,13 @@ def main(argv: list[str] | None = None) -> int:
     result["machine"] = f"{platform.machine()} {os.cpu_count()} cores"
     result["max_tokens"] = args.max_tokens
     result["seconds"] = round(time.perf_counter() - started, 1)
-    name = "throughput_quick" if args.quick else "throughput"
+    name = args.name or ("throughput_quick" if args.quick else "throughput")
     # Every row's outputs (first round), for the simulator validation to replay what was actually generated.
     outputs_file = RESULTS / f"{name}_outputs.npz"
     np.savez_compressed(outputs_file, **result.pop("outputs"))
     result["outputs_file"] = outputs_file.name
     markdown = save_results(name, result, write_markdown)
-    if not args.quick:
+    if name == "throughput":
         plot(RESULTS / "throughput.png", result["rows"])
     print(markdown.read_text())
     return 0

@@ -21,7 +21,7 @@ lower (earlier, parents-first) index, so the k best nodes of a tree always inclu
 Closed loop (`observe`, called by the orchestrator after every step):
 - acceptance: picking the highest-scored nodes of many trees selects the ones whose scores are most over-estimated
   (the winner's curse), so the controller scales node probabilities by realized / predicted accepted draft tokens
-  (exponential moving averages over recent steps from a neutral prior, clipped to [0.5, 1.5]; steps that verify
+  (exponential moving averages over recent steps from a neutral prior, clipped to [0.25, 1.5]; steps that verify
   nothing let the scale drift back toward 1);
 - drafting cost: drafting runs on the same clock as verification (CPU here; SPIN-style overlap on GPUs hides it),
   so its measured seconds count in the goodput denominator. A step speculates only when the predicted goodput beats
@@ -37,8 +37,10 @@ Closed loop (`observe`, called by the orchestrator after every step):
   average) and of the speculated part of speculating steps (`marginal_scale`, a decayed least-squares slope of
   measured over predicted extra time, both relative to the plain step) are tracked and applied to the prediction;
 - the engine's attention layout (`StepTimeModel.attention_layout`): on an engine that pads every request of a step
-  to the deepest tree (`TorchEngine`), the candidate that deepens the deepest tree costs attention rows for every
-  request, so the allocation spreads nodes across requests unless one request's nodes are worth that.
+  to the deepest tree, the candidate that deepens the deepest tree costs attention rows for every request, so the
+  allocation spreads nodes across requests unless one request's nodes are worth that. An engine that groups
+  requests of similar shape into separate calls (`TorchEngine`) is priced per request, as a packed one, while
+  choosing; the chosen step's prediction uses the engine's grouping.
 
 Opt-in (`per_request_acceptance=True`): each request's node probabilities are scaled by its own realized / predicted
 accepted tokens so far, shrunk toward the batch-wide scale (SpecServe §4).
@@ -92,12 +94,20 @@ class BudgetDecision:
     request_ids: tuple | None = None  # the requests, in order, when the caller named them
 
 
+_EMPTY_TREE = DraftTree.empty()
+
+
 def prune_tree(tree: DraftTree, n: int) -> DraftTree:
     """The `n` most probable nodes of `tree` (ties: lower index), parents-first; always a valid tree."""
     if n >= len(tree):
         return tree
     if n <= 0:
-        return DraftTree.empty()
+        return _EMPTY_TREE
+    if tree.probs[:n].min() >= tree.probs[n:].max():
+        # the drafter's usual order (most probable first): the first n nodes are the n best, ties to the lower index,
+        # and a prefix of a parents-first tree is itself a tree
+        return DraftTree(tokens=tree.tokens[:n], parents=tree.parents[:n], probs=tree.probs[:n], depth=tree.depth[:n],
+                         source=tree.source[:n])
     # stable argsort of -probs: ties keep the lower index, so every kept node's ancestors are kept too
     return tree.subtree(np.sort(np.argsort(-tree.probs, kind="stable")[:n]))
 
@@ -140,7 +150,7 @@ class BudgetController:
     @property
     def acceptance_scale(self) -> float:
         """Realized / predicted accepted draft tokens over recent steps (starts at 1: both averages share a prior)."""
-        return float(np.clip(self._realized_draft_tokens / self._predicted_draft_tokens, 0.5, 1.5))
+        return float(np.clip(self._realized_draft_tokens / self._predicted_draft_tokens, 0.25, 1.5))
 
     @property
     def draft_s_per_request(self) -> float:
@@ -308,7 +318,8 @@ class BudgetController:
         nodes = np.bincount(owner[:k], minlength=b).astype(np.int32)
         expected_per_request = np.bincount(owner[:k], weights=probs[:k], minlength=b)
         raw = np.bincount(owner[:k], weights=raw_probs[:k], minlength=b)
-        return nodes, float(model_s[k]), ones + expected_per_request, raw, gain
+        predicted_s = float(model_s[k]) if model.attention_layout != "grouped" else model.predict(ones + nodes, context)
+        return nodes, predicted_s, ones + expected_per_request, raw, gain
 
 
 def _cumcount(groups: np.ndarray) -> np.ndarray:

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
+from trt_engines.attention_groups import plan_attention_groups
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
 
 
@@ -125,7 +127,7 @@ class ModelShape:
 
 
 FEATURES = ("overhead", "linear", "attention", "lm_head", "tokens")
-ATTENTION_LAYOUTS = ("packed", "padded")
+ATTENTION_LAYOUTS = ("packed", "grouped", "padded")
 
 
 @dataclass
@@ -140,7 +142,8 @@ class StepTimeModel:
     # How the engine lays out a batch's attention. "packed": each request attends over its own tokens and context
     # (paged/varlen kernels: TensorRT-LLM). "padded": one batched call in which every request computes as many
     # query rows as the largest tree and as many keys as the longest context (`TorchEngine`'s SDPA), so one deep
-    # tree makes every request of the step pay for its depth.
+    # tree makes every request of the step pay for its depth. "grouped": a few such calls, each over requests of
+    # similar shape (`trt_engines.attention_groups.plan_attention_groups`: `TorchEngine`).
     attention_layout: str = "packed"
     _samples: deque = field(default=None, repr=False)  # type: ignore[assignment]
 
@@ -188,9 +191,15 @@ class StepTimeModel:
         c = np.asarray(context, dtype=np.float64)
         if self.attention_layout == "packed" or t.size == 0:
             return float(self.attention_seconds(t, c).sum())
-        rows = t.max()  # every request: the deepest tree's query rows over the longest context's keys
-        keys = (c + t).max()
-        return float(t.size * self.attention_seconds(rows, keys - rows))
+        if self.attention_layout == "padded":
+            groups = [np.arange(t.size)]
+        else:
+            groups = plan_attention_groups(np.rint(t).astype(np.int64), np.rint(c + t).astype(np.int64))
+        total = 0.0
+        for g in groups:  # every request of a call: its deepest tree's query rows over its longest context's keys
+            rows, keys = t[g].max(), (c[g] + t[g]).max()
+            total += g.size * float(self.attention_seconds(rows, keys - rows))
+        return total
 
     def lm_head_seconds(self, total_tokens) -> np.ndarray:
         s, e = self.shape, DTYPE_BYTES[self.dtype]

@@ -101,6 +101,13 @@ def test_prune_keeps_the_most_probable_nodes_and_a_valid_tree():
         pruned.validate()
         assert len(pruned) == k
         assert np.isclose(np.sort(pruned.probs)[::-1], np.sort(tree.probs)[::-1][:k], rtol=1e-6).all()
+        # the drafter's order (most probable first, ties included) takes the prefix path: the same nodes
+        ordered = DraftTree.from_arrays(tokens=tree.tokens, parents=parents, probs=np.round(np.sort(raw)[::-1], 1))
+        expected = ordered.subtree(np.sort(np.argsort(-ordered.probs, kind="stable")[:k]))
+        got = prune_tree(ordered, k)
+        got.validate()
+        for field in ("tokens", "parents", "probs", "depth"):
+            assert np.array_equal(getattr(got, field), getattr(expected, field))
 
 
 def test_step_model_refit_recovers_a_linear_cost():
@@ -189,11 +196,14 @@ def test_padded_attention_charges_every_request_for_the_deepest_tree():
     # 17 query rows (the deepest tree) over 4097 keys (the longest context + its root), for each of the 4 requests
     assert padded.batch_attention_seconds(uneven, context) == pytest.approx(
         4 * float(padded.attention_seconds(17.0, 4097.0 - 17.0)))
+    # grouped: the deep tree gets its own call (17 rows over 513 keys), the rest one call at their own shape
+    grouped = StepTimeModel(LLAMA_8B, KNOWN_HARDWARE["H100-SXM"], attention_layout="grouped")
+    assert packed.predict(uneven, context) <= grouped.predict(uneven, context) < padded.predict(uneven, context)
     with pytest.raises(ValueError, match="attention layout"):
         StepTimeModel(LLAMA_8B, KNOWN_HARDWARE["H100-SXM"], attention_layout="ragged")
 
 
-@pytest.mark.parametrize("layout", ["packed", "padded"])
+@pytest.mark.parametrize("layout", ["packed", "grouped", "padded"])
 def test_goodput_predicts_the_step_it_chooses(layout):
     # The allocation's incremental step-time prediction equals the model's prediction of the chosen composition.
     model = StepTimeModel(LLAMA_8B, KNOWN_HARDWARE["H100-SXM"], attention_layout=layout)

@@ -374,3 +374,28 @@ def test_can_admit_counts_blocks(engine):
     assert engine.blocks_needed(0) == 0 and engine.blocks_needed(1) == 1 and engine.blocks_needed(BLOCK + 1) == 2
     assert engine.can_admit(free * BLOCK - 10, 10) and not engine.can_admit(free * BLOCK - 10, 11)
     assert not engine.can_admit(10, 10, tree_nodes=free * BLOCK)
+
+
+def test_grouped_attention_answers_each_request_as_if_verified_alone(engine):
+    # One deep tree among plain requests of different context lengths: the engine splits the batch into several SDPA
+    # calls (`plan_attention_groups`); every request's target tokens must equal those of verifying it on its own.
+    from trt_engines.attention_groups import plan_attention_groups
+
+    rng = np.random.default_rng(11)
+    prompts = [_prompt(rng, n) for n in (40, 7, 90, 12)]
+    trees = [DraftTree.from_arrays(tokens=rng.integers(0, VOCAB, 24), parents=[-1] + [int(rng.integers(-1, i)) for i in range(23)]),
+             DraftTree.empty(), DraftTree.chain(rng.integers(0, VOCAB, 2).tolist()), DraftTree.empty()]
+    rows = np.array([len(t) + 1 for t in trees])
+    assert len(plan_attention_groups(rows, rows + [len(p) for p in prompts])) > 1  # the batch really is split
+    ids = [_uid("grp") for _ in prompts]
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, p)
+    try:
+        together = engine.verify([VerifyItem(rid, t) for rid, t in zip(ids, trees)]).results
+        for rid, tree, res in zip(ids, trees, together):
+            alone = engine.verify([VerifyItem(rid, tree)]).results[0]
+            assert res.request_id == rid and np.array_equal(res.target_tokens, alone.target_tokens)
+    finally:
+        for rid in ids:
+            engine.release(rid)
+    assert engine.free_blocks() == NUM_BLOCKS

@@ -101,6 +101,9 @@ class Workload:
     max_tokens: int
     arrivals_s: tuple[float, ...]  # one per trajectory, non-decreasing
     concurrency: int  # most requests running at once
+    # True: every request generates its trajectory's whole length (up to max_tokens), EOS ignored, as the
+    # throughput benchmark's fixed-length requests do
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if len(self.arrivals_s) != len(self.trajectories):
@@ -232,10 +235,11 @@ def simulate(deployment: Deployment, workload: Workload, policy: str, drafter, *
         while next_arrival < len(pending) and pending[next_arrival][0] <= clock.now:
             arrival, tr, rid = pending[next_arrival]
             # a trajectory recorded up to a length cap cannot say what comes after it
-            cap = workload.max_tokens if tr.finish_reason == "eos" else min(workload.max_tokens, len(tr.output_ids))
+            cap = (workload.max_tokens if tr.finish_reason == "eos" and not workload.ignore_eos
+                   else min(workload.max_tokens, len(tr.output_ids)))
             timelines[rid] = _Timeline(arrival=arrival)
-            orchestrator.submit(GenerationRequest(prompt_ids=tuple(int(t) for t in tr.prompt_ids), max_tokens=cap),
-                                collect, request_id=rid)
+            orchestrator.submit(GenerationRequest(prompt_ids=tuple(int(t) for t in tr.prompt_ids), max_tokens=cap,
+                                                  ignore_eos=workload.ignore_eos), collect, request_id=rid)
             next_arrival += 1
         if orchestrator.idle:
             clock.now = max(clock.now, pending[next_arrival][0])

@@ -3,8 +3,10 @@
 One `verify` = one forward for the whole batch. Every request contributes the segment [root, nodes...]; the
 segments are packed along the token axis for every linear layer (no padding). Attention is the only per-request
 part: each request reads its cached context plus its own new tokens, through a mask in which every node sees the
-context, the root, its ancestors and itself (`DraftTree.attention_mask`). That part runs as one padded SDPA call
-over the batch (queries padded to the largest segment, keys to the longest context, gathered block by block).
+context, the root, its ancestors and itself (`DraftTree.attention_mask`). That part runs as a few padded SDPA calls
+per layer, each over requests of similar shape (`trt_engines.attention_groups`: queries padded to the call's largest
+segment, keys to its longest context, gathered block by block), so one deep tree does not make the whole batch
+compute its rows.
 
 KV bookkeeping for one request with `ctx_len` cached tokens and a tree of n nodes:
 
@@ -40,6 +42,7 @@ from trt_engines.base import (
     VerifyResult,
     check_new_request,
 )
+from trt_engines.attention_groups import plan_attention_groups
 from trt_engines.kv_cache import PagedKVCache
 from trt_engines.llama import Transformer
 from trt_engines.prepare import resolve_model_dir
@@ -66,63 +69,98 @@ class _Segment:
     local_mask: np.ndarray  # bool [T, T]
 
 
-class _PagedAttention:
-    """Attention fn for one packed forward over `segments` (see `trt_engines.llama.AttentionFn`).
+class _AttentionCall:
+    """One SDPA call over some requests of a step: their blocks, padded query rows and mask."""
 
-    Built once per forward (index tensors, mask, gather buffer), then called once per layer: write the new K/V
-    into their slots, gather each request's blocks [context + new] into a padded batch, one SDPA with the mask.
-    The gather copies whole blocks (`PagedKVCache.gather_blocks`) into one buffer reused by every layer.
-    """
-
-    def __init__(self, cache: PagedKVCache, segments: Sequence[_Segment], *, group: int, dtype: torch.dtype,
-                 device: torch.device):
-        self.cache, self.group = cache, group
-        B = len(segments)
-        lens = [len(s.tokens) for s in segments]
-        used = [s.ctx_len + n for s, n in zip(segments, lens)]
-        self.B, self.Tq, self.L = B, max(lens), max(used)
-        n_blocks = cache.blocks_needed(self.L)
-        blocks = np.zeros((B, n_blocks), np.int64)  # pad with block 0; its keys are masked out below
-        write = []
-        mask = np.zeros((B, self.Tq, self.L), bool)
-        for b, (s, n) in enumerate(zip(segments, lens)):
+    def __init__(self, cache: PagedKVCache, segments: Sequence[_Segment], members: np.ndarray, offsets: np.ndarray,
+                 *, group: int, dtype: torch.dtype, device: torch.device):
+        lens = [len(segments[i].tokens) for i in members]
+        self.B, self.Tq = len(members), max(lens)
+        self.L = max(segments[i].ctx_len + n for i, n in zip(members, lens))
+        self.n_blocks = cache.blocks_needed(self.L)
+        blocks = np.zeros((self.B, self.n_blocks), np.int64)  # pad with block 0; its keys are masked out below
+        mask = np.zeros((self.B, self.Tq, self.L), bool)
+        for b, (i, n) in enumerate(zip(members, lens)):
+            s = segments[i]
             table = cache.block_table(s.request_id, s.ctx_len + n)
             blocks[b, : len(table)] = table
-            write.append(cache.flat_slots(s.request_id, s.ctx_len, s.ctx_len + n))
             mask[b, :n, : s.ctx_len] = True
             mask[b, :n, s.ctx_len : s.ctx_len + n] = s.local_mask
             mask[b, n:, 0] = True  # padded query rows: see one key so softmax stays finite; rows are dropped
-        self.write = torch.as_tensor(np.concatenate(write), device=device)
         self.blocks = torch.as_tensor(blocks.reshape(-1), device=device)
-        self.buffer = cache.block_buffer(B * n_blocks)
+        # Packed rows of this call's tokens, and (when rows are padded) the packed row each padded row reads:
+        # a pad row repeats its request's first row, whose output is dropped.
+        rows = np.concatenate([offsets[i] + np.arange(n) for i, n in zip(members, lens)])
+        self.identity = len(members) == len(segments) and np.array_equal(members, np.arange(len(segments)))
         self.padded = not all(n == self.Tq for n in lens)
+        self.rows = torch.as_tensor(rows, device=device)
         if self.padded:
-            dest = np.concatenate([b * self.Tq + np.arange(n) for b, n in enumerate(lens)])
-            self.dest = torch.as_tensor(dest, device=device)
+            src = np.concatenate([offsets[i] + np.minimum(np.arange(self.Tq), n - 1) for i, n in zip(members, lens)])
+            keep = np.concatenate([b * self.Tq + np.arange(n) for b, n in enumerate(lens)])
+            self.src = torch.as_tensor(src, device=device)
+            self.keep = torch.as_tensor(keep, device=device)
         if mask.all():
             self.mask = None  # plain decoding at equal context lengths: everything visible
         else:
             # Additive mask in the compute dtype, made once: a bool mask would be converted inside every layer's SDPA.
             m = torch.zeros(mask.shape, dtype=dtype).masked_fill_(torch.as_tensor(~mask), -math.inf).to(device)
             # GQA: the `group` query heads sharing a KV head are stacked along the query axis (see __call__).
-            self.mask = m[:, None, None].expand(B, 1, group, self.Tq, self.L).reshape(B, 1, group * self.Tq, self.L)
+            self.mask = m[:, None, None].expand(self.B, 1, group, self.Tq, self.L).reshape(
+                self.B, 1, group * self.Tq, self.L)
+
+
+class _PagedAttention:
+    """Attention fn for one packed forward over `segments` (see `trt_engines.llama.AttentionFn`).
+
+    Built once per forward (index tensors, masks, gather buffer), then called once per layer: write the new K/V
+    into their slots; then per SDPA call (`plan_attention_groups`: requests of similar tree size and context share
+    one) gather its requests' blocks [context + new] into a padded batch and run one SDPA with its mask. The gather
+    copies whole blocks (`PagedKVCache.gather_blocks`) into one buffer reused by every call and layer.
+    """
+
+    def __init__(self, cache: PagedKVCache, segments: Sequence[_Segment], *, group: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.cache, self.group = cache, group
+        lens = np.array([len(s.tokens) for s in segments], np.int64)
+        keys = np.array([s.ctx_len for s in segments], np.int64) + lens
+        offsets = np.concatenate([[0], np.cumsum(lens)[:-1]])
+        write = [cache.flat_slots(s.request_id, s.ctx_len, s.ctx_len + len(s.tokens)) for s in segments]
+        self.write = torch.as_tensor(np.concatenate(write), device=device)
+        self.calls = [_AttentionCall(cache, segments, members, offsets, group=group, dtype=dtype, device=device)
+                      for members in plan_attention_groups(lens, keys)]
+        self.buffer = cache.block_buffer(max(c.B * c.n_blocks for c in self.calls))
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        B, Tq, L, g = self.B, self.Tq, self.L, self.group
+        g = self.group
         T, H, D = q.shape
         KV = k.shape[1]
         kf, vf = self.cache.flat(layer, 0), self.cache.flat(layer, 1)
         kf.index_copy_(0, self.write, k.to(kf.dtype))
         vf.index_copy_(0, self.write, v.to(vf.dtype))
-        self.cache.gather_blocks(layer, self.blocks, self.buffer)
-        kv = self.buffer.view(2, B, -1, KV, D)[:, :, :L].transpose(2, 3)  # [2, B, KV, L, D]
-        if self.padded:
-            q = q.new_zeros(B * Tq, H, D).index_copy_(0, self.dest, q)
-        # [B, Tq, KV, g, D] -> [B, KV, g * Tq, D]: no K/V repeat needed for GQA.
-        q = q.view(B, Tq, KV, g, D).permute(0, 2, 3, 1, 4).reshape(B, KV, g * Tq, D)
-        out = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=self.mask)
-        out = out.view(B, KV, g, Tq, D).permute(0, 3, 1, 2, 4).reshape(B * Tq, H * D)
-        return out.index_select(0, self.dest) if self.padded else out
+        out = None
+        for call in self.calls:
+            B, Tq, L = call.B, call.Tq, call.L
+            buffer = self.buffer[:, : B * call.n_blocks]
+            self.cache.gather_blocks(layer, call.blocks, buffer)
+            kv = buffer.view(2, B, -1, KV, D)[:, :, :L].transpose(2, 3)  # [2, B, KV, L, D]
+            if call.padded:
+                qc = q.index_select(0, call.src)
+            elif call.identity:
+                qc = q
+            else:
+                qc = q.index_select(0, call.rows)
+            # [B, Tq, KV, g, D] -> [B, KV, g * Tq, D]: no K/V repeat needed for GQA.
+            qc = qc.view(B, Tq, KV, g, D).permute(0, 2, 3, 1, 4).reshape(B, KV, g * Tq, D)
+            o = F.scaled_dot_product_attention(qc, kv[0], kv[1], attn_mask=call.mask)
+            o = o.view(B, KV, g, Tq, D).permute(0, 3, 1, 2, 4).reshape(B * Tq, H * D)
+            if call.padded:
+                o = o.index_select(0, call.keep)
+            if call.identity:
+                return o
+            if out is None:
+                out = o.new_empty(T, H * D)
+            out.index_copy_(0, call.rows, o)
+        return out
 
 
 def sample_tokens(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> Tensor:
@@ -154,9 +192,10 @@ class TorchEngine:
         engine.commit("a", acc.accepted_nodes, next_root=acc.bonus_token)
     """
 
-    # One batched SDPA per layer over requests padded to the deepest tree and the longest context (see
-    # `_PagedAttention`): the step-time model charges attention that way (`StepTimeModel.attention_layout`).
-    attention_layout = "padded"
+    # A few batched SDPA calls per layer, each over requests of similar tree size and context, padded within the call
+    # (`_PagedAttention`, `plan_attention_groups`): the step-time model charges attention that way
+    # (`StepTimeModel.attention_layout`).
+    attention_layout = "grouped"
 
     def __init__(
         self,
