@@ -217,3 +217,45 @@ def test_client_examples_run_against_the_server(server, script):
     assert "[length]" in run.stdout or "[stop]" in run.stdout
     if "http" in script:
         assert "draft tree:" in run.stdout and "best path" in run.stdout
+
+
+def test_a_client_that_cancels_its_stream_cancels_the_generation_and_frees_kv(server):
+    """pytriton's proxy ignores Triton's cancellation; ours reports it, and the generation stops mid-way."""
+    stack = server["stack"]
+    ids = np.asarray(server["prompts"][0], np.int32)
+    max_tokens = stack.engine.max_context - len(ids)  # far more than it can produce before the cancel lands
+    cancelled = {"finish_reason": "cancelled", "frontend": "triton"}
+    sample = stack.metrics.registry.get_sample_value
+    before = sample("retrospec_requests_total", cancelled) or 0.0
+    tokens_before = sample("retrospec_generation_tokens_total") or 0.0
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(grpc_url(server))
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        client.async_stream_infer("retrospec_generate", [
+            tensor(grpcclient, "input_ids", ids), tensor(grpcclient, "max_tokens", np.array([max_tokens], np.int32)),
+            tensor(grpcclient, "ignore_eos", np.array([True]))])
+        streamed = 0
+        while streamed < 4:  # a few tokens in: the request is running and holds KV blocks
+            result, error = results.get(timeout=120)
+            assert error is None, str(error)
+            assert result.as_numpy("finish_reason")[0] == b""
+            streamed += len(result.as_numpy("output_ids"))
+        assert stack.engine.free_blocks() < stack.engine.total_blocks()
+    finally:
+        client.stop_stream(cancel_requests=True)
+        client.close()
+    assert wait_until(lambda: (sample("retrospec_requests_total", cancelled) or 0.0) == before + 1, timeout=30)
+    assert wait_until(lambda: stack.orchestrator.idle and stack.engine.free_blocks() == stack.engine.total_blocks())
+    assert sample("retrospec_generation_tokens_total") - tokens_before < max_tokens / 2  # stopped, not ran out
+    # the server keeps serving, exactly
+    out = stream_generate(grpc_url(server), {"input_ids": ids, "max_tokens": np.array([MAX_TOKENS], np.int32)})
+    assert out["error"] is None and out["tokens"] == server["reference"][0]
+
+
+def test_the_cancellation_proxy_template_agrees_with_the_server_on_its_wire_names():
+    from orchestrator.serving import triton_server
+
+    template = triton_server.CANCEL_PROXY_TEMPLATE.read_text()
+    assert f'CANCEL_KEY_PARAMETER = "{triton_server.CANCEL_KEY_PARAMETER}"' in template
+    assert f'CANCEL_SOCKET_NAME = "{triton_server.CANCEL_SOCKET_NAME}"' in template

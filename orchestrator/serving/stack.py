@@ -229,11 +229,13 @@ class ServingStack:
         self.metrics.prompt_tokens.inc(len(request.prompt_ids))
         return rid
 
-    async def stream(self, request: GenerationRequest, *, frontend: str) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs; leaving the loop early cancels the request (and frees its KV blocks)."""
+    async def stream(self, request: GenerationRequest, *, frontend: str,
+                     request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; leaving the loop early cancels the request (and frees its KV blocks).
+        `request_id` names it for `runner.cancel` (default: the runner numbers it)."""
         first, finished = True, False
         try:
-            async with aclosing(self.runner.stream(request)) as outputs:  # closing it cancels an unfinished request
+            async with aclosing(self.runner.stream(request, request_id=request_id)) as outputs:  # closing it cancels an unfinished request
                 async for out in outputs:
                     if first:  # submitted (a rejected request raises before its first output)
                         self.metrics.prompt_tokens.inc(len(request.prompt_ids))

@@ -20,14 +20,26 @@ Models:
 Triton loads its Python backend stub through libpython, so `LD_LIBRARY_PATH` must include Python's LIBDIR before
 tritonserver starts (otherwise model loading fails with an `_thread.RLock` error): `start_triton` adds it to this
 process's environment, which the tritonserver subprocess inherits.
+
+Cancellation: pytriton's proxy model (the Python-backend model inside tritonserver that forwards requests here)
+ignores Triton's request cancellation, so `start_triton` puts `templates/pytriton_cancel_model.py` in front of it for
+the generate model. That model tags each request with a key and reports the keys of cancelled requests (a client
+that cancels its gRPC stream or disconnects) to a `CancellationListener` on a unix datagram socket in pytriton's
+workspace; `GenerateModel.cancel` then cancels the generation, which frees its KV blocks.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import socket
 import sysconfig
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -37,6 +49,11 @@ from orchestrator.serving.stack import ServingStack, make_drafter
 
 GENERATE_MODEL = "retrospec_generate"
 DRAFT_MODEL = "retrospec_draft"
+# shared with templates/pytriton_cancel_model.py, which runs inside tritonserver and cannot import this module
+CANCEL_KEY_PARAMETER = "retrospec_cancel_key"
+CANCEL_SOCKET_NAME = "retrospec-cancel.sock"
+CANCEL_PROXY_TEMPLATE = Path(__file__).parent / "templates" / "pytriton_cancel_model.py"
+_LOG = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -76,8 +93,25 @@ def ensure_libpython_on_ld_path() -> str:
 class GenerateModel:
     """The `retrospec_generate` inference callable (an async generator: pytriton runs many concurrently)."""
 
-    def __init__(self, stack: ServingStack) -> None:
+    def __init__(self, stack: ServingStack, *, remember_cancelled_s: float = 60.0) -> None:
         self.stack = stack
+        self.remember_cancelled_s = remember_cancelled_s
+        self._cancelled: dict[str, float] = {}  # keys tritonserver reported cancelled -> when (monotonic)
+        self._lock = threading.Lock()
+
+    def cancel(self, key: str) -> None:
+        """The client of the request tagged `key` cancelled it (called from the `CancellationListener` thread)."""
+        now = time.monotonic()
+        with self._lock:
+            self._cancelled = {k: t for k, t in self._cancelled.items() if now - t < self.remember_cancelled_s}
+            self._cancelled[key] = now
+        # Stops a running or waiting request now; a report that beats the request's submission is caught by the
+        # stream loop below, which leaves (and so cancels) at the request's first output.
+        self.stack.runner.cancel(_request_id(key))
+
+    def was_cancelled(self, key: str | None) -> bool:
+        with self._lock:
+            return key is not None and key in self._cancelled
 
     async def __call__(self, requests):
         if len(requests) != 1:  # the model is not batched, so Triton hands over one request per call
@@ -87,7 +121,13 @@ class GenerateModel:
         except ValueError:
             self.stack.metrics.rejected.labels(frontend="triton").inc()
             raise
-        async for out in self.stack.stream(request, frontend="triton"):
+        key = (requests[0].parameters or {}).get(CANCEL_KEY_PARAMETER)
+        if self.was_cancelled(key):
+            return
+        async for out in self.stack.stream(request, frontend="triton",
+                                           request_id=None if key is None else _request_id(key)):
+            if self.was_cancelled(key):
+                return  # the client is gone: leaving the stream cancels the request (if it is still running)
             if out.finish_reason == FinishReason.ERROR:
                 raise ValueError(out.error or "the request failed")
             stats = out.stats
@@ -157,6 +197,74 @@ class DraftModel:
         return responses
 
 
+def _request_id(key: str) -> str:
+    return f"triton-{key}"
+
+
+class CancellationListener:
+    """Receives the keys of cancelled requests from the generate model's proxy inside tritonserver (datagrams on a
+    unix socket) and hands each to `on_cancel`. Its thread ends when `close()` is called or the socket file is
+    removed (pytriton deletes its workspace on `Triton.stop()`)."""
+
+    def __init__(self, path: Path, on_cancel: Callable[[str], None]) -> None:
+        if len(os.fsencode(path)) >= 104:  # sun_path is 104-108 bytes depending on the platform
+            raise RuntimeError(f"the cancellation socket path {path} is too long for a unix socket; "
+                               "set TMPDIR to a shorter directory")
+        self.path = Path(path)
+        self.on_cancel = on_cancel
+        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._socket.bind(str(self.path))
+        self._socket.settimeout(0.5)
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="retrospec-triton-cancel", daemon=True)
+
+    def start(self) -> "CancellationListener":
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(2)
+        self._socket.close()
+
+    def _run(self) -> None:
+        try:
+            while not self._closed.is_set() and self.path.exists():
+                try:
+                    data = self._socket.recv(512)
+                except TimeoutError:
+                    continue
+                try:
+                    self.on_cancel(data.decode())
+                except Exception:  # noqa: BLE001 - one bad report must not stop cancellation for everyone else
+                    _LOG.exception("cancelling the Triton request reported as %r failed", data)
+        except OSError:  # the socket was closed under us
+            pass
+        finally:
+            self._socket.close()
+
+
+def install_cancellation_proxy(triton, model_name: str) -> None:
+    """Load `templates/pytriton_cancel_model.py` as `model_name`'s model.py, in front of pytriton's proxy model (sent
+    along as `pytriton_model.py`, the module the template subclasses). pytriton ships a model's files to tritonserver
+    through the model-control API when the server starts (`Model.get_proxy_model_files`); call this after `bind`."""
+    models = [m for m in getattr(getattr(triton, "_model_manager", None), "models", ()) if m.model_name == model_name]
+    if len(models) != 1 or not callable(getattr(models[0], "get_proxy_model_files", None)):
+        raise RuntimeError(f"cannot find pytriton's bound model {model_name!r}; retrospec's cancellation proxy expects "
+                           "nvidia-pytriton 0.7.0 (the version pinned in requirements.txt)")
+    model = models[0]
+    pytriton_files = model.get_proxy_model_files
+
+    def files_with_cancellation_proxy() -> dict[str, bytes]:
+        files = dict(pytriton_files())
+        version = model.model_version
+        files[f"file:{version}/pytriton_model.py"] = files.pop(f"file:{version}/model.py")
+        files[f"file:{version}/model.py"] = CANCEL_PROXY_TEMPLATE.read_bytes()
+        return files
+
+    model.get_proxy_model_files = files_with_cancellation_proxy
+
+
 def _scalar(req, name: str, default=None):
     value = req.data.get(name)
     if value is None:
@@ -175,18 +283,23 @@ def _as_int(value) -> int:
 def start_triton(stack: ServingStack, *, ports: TritonPorts = TritonPorts(), address: str = "127.0.0.1",
                  verbose: bool = False):
     """Start tritonserver (a subprocess) serving both models; returns the `pytriton.triton.Triton` (call `.stop()`).
-    The generate model shares `stack`'s runner; the draft model gets its own drafter over the same datastores."""
+    The generate model shares `stack`'s runner; the draft model gets its own drafter over the same datastores.
+    A client that cancels its gRPC stream (or disconnects) cancels its generation here too (see the module docstring)."""
     ensure_libpython_on_ld_path()
     from pytriton.model_config import ModelConfig, Tensor
     from pytriton.triton import Triton, TritonConfig
+    from pytriton.utils.workspace import Workspace
 
     config = TritonConfig(http_address=address, http_port=ports.http, grpc_address=address, grpc_port=ports.grpc,
                           metrics_address=address, metrics_port=ports.metrics, exit_timeout_secs=10,
                           log_verbose=1 if verbose else None)
-    triton = Triton(config=config)
+    workspace = Workspace()  # ours, so that the cancellation socket's path (in the workspace) is known here
+    triton = Triton(config=config, workspace=workspace)
+    listener = None
+    generate = GenerateModel(stack)
     try:
         triton.bind(
-            model_name=GENERATE_MODEL, infer_func=GenerateModel(stack),
+            model_name=GENERATE_MODEL, infer_func=generate,
             inputs=[
                 Tensor(name="text_input", dtype=bytes, shape=(1,), optional=True),
                 Tensor(name="input_ids", dtype=np.int32, shape=(-1,), optional=True),
@@ -230,8 +343,13 @@ def start_triton(stack: ServingStack, *, ports: TritonPorts = TritonPorts(), add
             strict=True,
         )
         triton.draft_service = service  # for tests and operators: the live sessions
+        install_cancellation_proxy(triton, GENERATE_MODEL)
+        listener = CancellationListener(workspace.path / CANCEL_SOCKET_NAME, generate.cancel).start()
+        triton.cancellation_listener = listener
         triton.run()
     except BaseException:
         triton.stop()
+        if listener is not None:
+            listener.close()
         raise
     return triton

@@ -1,0 +1,66 @@
+"""`benchmarks/throughput.py --replace-groups`: re-measured (set, cap) groups replace the old ones in a results file,
+everything else stays, and the file says what was replaced."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from benchmarks import throughput
+
+
+def _row(set_name: str, cap: int, policy: str, tok_s: float) -> dict:
+    return {"set": set_name, "cap": cap, "policy": policy, "tokens_per_s": tok_s, "speedup": 1.0}
+
+
+def _results(rows: list[dict], outputs: dict[str, np.ndarray], tmp_path) -> None:
+    groups = sorted({(r["set"], r["cap"]) for r in rows})
+    old = {"rows": rows, "group_fits": [{"set": s, "cap": c, "fit": "old"} for s, c in groups],
+           "bf16_divergences": [{"set": s, "cap": c, "policy": "goodput", "top2_logit_gap": 0.1} for s, c in groups],
+           "step_model_median_abs_err": 0.08, "identity": {"identical_outputs_fraction": 1.0}, "max_tokens": 192,
+           "outputs_file": "throughput_outputs.npz"}
+    (tmp_path / "throughput.json").write_text(json.dumps(old))
+    np.savez_compressed(tmp_path / "throughput_outputs.npz", **outputs)
+
+
+def test_replaced_groups_swap_in_place_and_are_recorded(tmp_path, monkeypatch):
+    monkeypatch.setattr(throughput, "RESULTS", tmp_path)
+    old_rows = [_row(s, c, p, v) for s, c in (("a", 1), ("a", 16), ("b", 1))
+                for p, v in (("none", 10.0), ("fixed:4", 12.0), ("goodput", 11.0))]
+    _results(old_rows, {f"{s}_{c}_{p}_tokens": np.array([c, 7]) for s, c in (("a", 1), ("a", 16), ("b", 1))
+                        for p in ("none", "goodput")}, tmp_path)
+    new = {"rows": [_row("a", 1, p, v) for p, v in (("none", 10.0), ("fixed:4", 12.0), ("goodput", 15.0))],
+           "group_fits": [{"set": "a", "cap": 1, "fit": "new"}], "bf16_divergences": [],
+           "outputs": {"a_1_goodput_tokens": np.array([9, 9, 9])}, "max_tokens": 192, "seconds": 3.0}
+
+    merged = throughput.replace_groups("throughput", new, command="python -m benchmarks.throughput --caps 1",
+                                       note="disturbed")
+
+    assert [(r["set"], r["cap"]) for r in merged["rows"]] == [(r["set"], r["cap"]) for r in old_rows]
+    assert [r["tokens_per_s"] for r in merged["rows"] if r["set"] == "a" and r["cap"] == 1] == [10.0, 12.0, 15.0]
+    assert [g["fit"] for g in merged["group_fits"]] == ["new", "old", "old"]
+    assert {(d["set"], d["cap"]) for d in merged["bf16_divergences"]} == {("a", 16), ("b", 1)}
+    assert merged["summary"]["goodput_vs_best_fixed_min"] == pytest.approx(11.0 / 12.0)  # from the kept groups
+    assert merged["replaced_groups"] == [{"groups": [["a", 1]], "command": "python -m benchmarks.throughput --caps 1",
+                                          "seconds": 3.0, "note": "disturbed"}]
+    with np.load(tmp_path / "throughput_outputs.npz") as arrays:
+        assert sorted(arrays.files) == ["a_16_goodput_tokens", "a_16_none_tokens", "a_1_goodput_tokens",
+                                        "b_1_goodput_tokens", "b_1_none_tokens"]
+        np.testing.assert_array_equal(arrays["a_1_goodput_tokens"], [9, 9, 9])
+        np.testing.assert_array_equal(arrays["a_16_none_tokens"], [16, 7])
+
+
+def test_replacing_a_group_the_file_never_measured_is_refused_and_changes_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(throughput, "RESULTS", tmp_path)
+    _results([_row("a", 1, "none", 10.0)], {"a_1_none_tokens": np.array([1])}, tmp_path)
+    before = (tmp_path / "throughput.json").read_text()
+    new = {"rows": [_row("a", 4, "none", 10.0)], "group_fits": [], "bf16_divergences": [], "outputs": {},
+           "max_tokens": 192, "seconds": 1.0}
+    with pytest.raises(SystemExit, match="no rows for"):
+        throughput.replace_groups("throughput", new, command="c", note=None)
+    with pytest.raises(SystemExit, match="max-tokens"):
+        throughput.replace_groups("throughput", {**new, "rows": [_row("a", 1, "none", 9.0)], "max_tokens": 64},
+                                  command="c", note=None)
+    assert (tmp_path / "throughput.json").read_text() == before
