@@ -5,9 +5,9 @@
 
 For each prompt set (recorded eval prompts, `tools/record_trajectories.py`) and concurrency cap, every policy
 (`none`, `fixed:4`, `fixed:16`, `fixed:32`, `roofline`, `goodput`) serves the same prompts through `Orchestrator`
-(all requests submitted at t=0, at most `cap` running; twice as many prompts as the cap, at least 8, each generating
-its reference length with EOS ignored, so every policy does the same work). Reports output tokens/s, mean and p90 request latency,
-tau (tokens per request-step) and speedup over `none`; the step-time model's median relative error over every
+(all requests submitted at t=0, at most `cap` running; twice as many prompts as the cap, at least 8, each
+generating its reference length with EOS ignored, so every policy does the same work). Reports output tokens/s, mean
+and p90 request latency, tau (tokens per request-step) and speedup over `none`; the step-time model's median relative error over every
 step; and losslessness: an fp32 run in which every policy's outputs must equal `none`'s token for token
 (`identical_outputs_fraction`), plus, for the bf16 runs, each divergence from `none` with the gap between the top-2
 target logits at the first differing position (only near-ties may diverge).
@@ -372,6 +372,13 @@ def replace_groups(name: str, new: dict, *, command: str, note: str | None) -> d
         raise SystemExit(f"--replace-groups: {path.name} has no rows for {missing}; replace only groups it measured")
     if old.get("max_tokens") != new["max_tokens"]:
         raise SystemExit(f"--replace-groups: {path.name} ran with --max-tokens {old.get('max_tokens')}; use the same")
+    def shape(result: dict, g: tuple) -> list:
+        return sorted((r["policy"], r["prompts"]) for r in result["rows"] if (r["set"], r["cap"]) == g)
+
+    for g in groups:  # the same policies and prompts, or the swapped rows would measure something else
+        if shape(old, g) != shape(new, g):
+            raise SystemExit(f"--replace-groups: {path.name} measured {g} with (policy, prompts) {shape(old, g)}; "
+                             f"this run used {shape(new, g)}: use the same --policies")
 
     def swap(old_items: list[dict], new_items: list[dict]) -> list[dict]:  # keeps the original order of groups
         out, done = [], set()

@@ -12,7 +12,7 @@ from benchmarks import throughput
 
 
 def _row(set_name: str, cap: int, policy: str, tok_s: float) -> dict:
-    return {"set": set_name, "cap": cap, "policy": policy, "tokens_per_s": tok_s, "speedup": 1.0}
+    return {"set": set_name, "cap": cap, "policy": policy, "tokens_per_s": tok_s, "speedup": 1.0, "prompts": 8}
 
 
 def _results(rows: list[dict], outputs: dict[str, np.ndarray], tmp_path) -> None:
@@ -60,6 +60,9 @@ def test_replacing_a_group_the_file_never_measured_is_refused_and_changes_nothin
            "max_tokens": 192, "seconds": 1.0}
     with pytest.raises(SystemExit, match="no rows for"):
         throughput.replace_groups("throughput", new, command="c", note=None)
+    with pytest.raises(SystemExit, match="same --policies"):
+        throughput.replace_groups("throughput", {**new, "rows": [_row("a", 1, "goodput", 9.0)]}, command="c",
+                                  note=None)
     with pytest.raises(SystemExit, match="max-tokens"):
         throughput.replace_groups("throughput", {**new, "rows": [_row("a", 1, "none", 9.0)], "max_tokens": 64},
                                   command="c", note=None)

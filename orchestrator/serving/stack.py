@@ -235,7 +235,8 @@ class ServingStack:
         `request_id` names it for `runner.cancel` (default: the runner numbers it)."""
         first, finished = True, False
         try:
-            async with aclosing(self.runner.stream(request, request_id=request_id)) as outputs:  # closing it cancels an unfinished request
+            # closing the runner's stream cancels an unfinished request
+            async with aclosing(self.runner.stream(request, request_id=request_id)) as outputs:
                 async for out in outputs:
                     if first:  # submitted (a rejected request raises before its first output)
                         self.metrics.prompt_tokens.inc(len(request.prompt_ids))

@@ -344,8 +344,8 @@ def start_triton(stack: ServingStack, *, ports: TritonPorts = TritonPorts(), add
         )
         triton.draft_service = service  # for tests and operators: the live sessions
         install_cancellation_proxy(triton, GENERATE_MODEL)
+        # its thread ends by itself once `triton.stop()` deletes the workspace, socket file included
         listener = CancellationListener(workspace.path / CANCEL_SOCKET_NAME, generate.cancel).start()
-        triton.cancellation_listener = listener
         triton.run()
     except BaseException:
         triton.stop()

@@ -92,10 +92,6 @@ class TritonPythonModel(PyTritonProxyModel):
         def handler(*handler_args):  # pytriton's initialize picks its handler class by this module-level name
             return CancellationReportingHandler(*handler_args, keys=keys, socket_path=socket_path)
 
-        if not hasattr(pytriton_model, "DecoupledResponsesHandler"):
-            raise pb_utils.TritonModelException(
-                "retrospec's cancellation proxy expects nvidia-pytriton 0.7.0's proxy model; install the version "
-                "pinned in requirements.txt")
         pytriton_model.DecoupledResponsesHandler, original = handler, pytriton_model.DecoupledResponsesHandler
         try:
             super().initialize(args)
