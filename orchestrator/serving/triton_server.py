@@ -284,7 +284,7 @@ def start_triton(stack: ServingStack, *, ports: TritonPorts = TritonPorts(), add
                  verbose: bool = False):
     """Start tritonserver (a subprocess) serving both models; returns the `pytriton.triton.Triton` (call `.stop()`).
     The generate model shares `stack`'s runner; the draft model gets its own drafter over the same datastores.
-    A client that cancels its gRPC stream (or disconnects) cancels its generation here too (see the module docstring)."""
+    A client that cancels its gRPC stream (or disconnects) cancels its generation here too (module docstring)."""
     ensure_libpython_on_ld_path()
     from pytriton.model_config import ModelConfig, Tensor
     from pytriton.triton import Triton, TritonConfig
