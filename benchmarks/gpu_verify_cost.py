@@ -346,7 +346,7 @@ def write_markdown(path: Path, result: dict) -> None:
         fit = result["comparison"]["measured"]["fitted_to_device_busy_coefficients"]
         lines += ["", ("Reading: fitted to busy time with the measured profile, the model's coefficients are "
                   f"{fit[1]:.2f} x the roofline of the linear layers, {fit[2]:.2f} x that of attention (the engine "
-                  "copies each request's KV blocks into one padded buffer before SDPA, so it moves the cache about "
+                  "gathers each group's KV blocks into a contiguous buffer before SDPA, so it moves the cache about "
                   f"three times) and a fixed {fit[0] * 1e3:.1f} ms per step (norms, RoPE, gathers: small kernels). "
                   "Wall time is higher again at small batches: eager PyTorch launches every kernel from Python, "
                   "and the GPU waits for the host (see `gpu_profile.txt` when written with `--profile`).")]
