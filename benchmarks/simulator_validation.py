@@ -40,7 +40,7 @@ from tools.simulate import (
     model_config,
     simulate,
 )
-from tools.trajectories import Trajectory, load_trajectories, trajectory_path
+from tools.trajectories import Trajectory, load_trajectories, spread, trajectory_path
 
 
 def measured_outputs(measured: dict) -> dict[tuple[str, int, str], list[np.ndarray]] | None:
@@ -94,7 +94,10 @@ def validate(measured: dict, *, host_time: str = "plan", fit: str = "group") -> 
     rows = []
     for row in measured["rows"]:
         deployment_of_row = group_fits[(row["set"], row["cap"])] if fit == "group" else run_fit
-        recorded = load_trajectories(trajectory_path(row["set"], "eval"))[: row["prompts"]]
+        recorded = load_trajectories(trajectory_path(row["set"], "eval"))
+        # the measured run's prompts: evenly spread over the set, or (runs before the spread sample) the first ones
+        recorded = (spread(recorded, row["prompts"]) if measured.get("prompt_sample") == "spread"
+                    else recorded[: row["prompts"]])
         eos = {int(t.output_ids[-1]) for t in recorded if t.finish_reason == "eos"}
         trajectories = row_trajectories(recorded, generated and generated[(row["set"], row["cap"], row["policy"])], eos)
         workload = Workload(tuple(trajectories), measured["max_tokens"], tuple(closed_loop_arrivals(len(trajectories))),

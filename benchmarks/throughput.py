@@ -42,7 +42,7 @@ from orchestrator.profiling import fit_step_model, measure_hardware
 from orchestrator.request import GenerationRequest
 from orchestrator.roofline import FEATURES, ModelShape, StepTimeModel, nonnegative_lstsq
 from tools.prompt_sets import PROMPT_SETS
-from tools.trajectories import load_trajectories, trajectory_path
+from tools.trajectories import load_trajectories, spread, trajectory_path
 from trt_engines.prepare import resolve_model_dir
 from trt_engines.torch_engine import TorchEngine
 
@@ -184,12 +184,13 @@ def run(sets: list[str], caps: list[int], policies: list[str], *, prompts_per_ca
     for set_name in sets:
         trajectories = load_trajectories(trajectory_path(set_name, "eval"))
         for cap in caps:
-            prompts = [t.prompt_ids for t in trajectories[: prompts_per_cap(cap)]]
+            sample = spread(trajectories, prompts_per_cap(cap))  # every MT-Bench category, not only the first
+            prompts = [t.prompt_ids for t in sample]
             # Every policy generates each prompt's reference length (the target's own greedy output, from the recorded
             # trajectory, up to max_tokens), EOS ignored, as vLLM's throughput benchmark fixes output lengths: in
             # bf16 the policies' outputs part at near-ties, and a parted output that ends sooner or later changes a
             # row's work, not its speed (with EOS honoured, one row's policies generated 1729 to 2046 tokens).
-            lengths = [min(max_tokens, len(t.output_ids)) for t in trajectories[: prompts_per_cap(cap)]]
+            lengths = [min(max_tokens, len(t.output_ids)) for t in sample]
             samples_before, prefills_before, host_steps = len(all_samples), len(prefills), []
             runs: dict[str, list[dict]] = {p: [] for p in policies}
             for r in range(rounds):
@@ -236,6 +237,7 @@ def run(sets: list[str], caps: list[int], policies: list[str], *, prompts_per_ca
                 else None)
     return {"rows": rows, "bf16_divergences": divergences, "step_fit_error": fit_error,
             "output_lengths": "reference",  # each request: its recorded trajectory's length, EOS ignored
+            "prompt_sample": "spread",  # a row's prompts: `tools.trajectories.spread` over the eval set
             "step_model_median_abs_err": float(np.median(all_errors)) if all_errors else None,
             "identity": identity, "rounds": rounds, "group_fits": group_fits,
             "hardware": dataclasses.asdict(step_model.hardware),
@@ -320,7 +322,9 @@ def write_markdown(path: Path, result: dict) -> None:
         (f"Each request generates its reference length (its recorded greedy output's, at most {result['max_tokens']} "
          "tokens), EOS ignored, so every policy does the same work (in bf16 outputs may part at near-ties); "
          if result.get("output_lengths") == "reference" else f"{result['max_tokens']} new tokens per request; ")
-        + "all requests arrive at t=0; at most `cap` run at once.",
+        + "all requests arrive at t=0; at most `cap` run at once. "
+        + ("A row's prompts are spread evenly over the set's eval prompts (for MT-Bench: every category)."
+           if result.get("prompt_sample") == "spread" else "A row's prompts are the set's first eval prompts."),
         "All policies of a (set, cap) run side by side: one step of each policy in turn, each timed on its own clock "
         "(the sum of its own steps' wall time), so background load on this shared machine hits them alike."
         + (f" Each row is the fastest of {result['rounds']} such rounds (all rounds in the JSON)." if result["rounds"] > 1
@@ -372,6 +376,9 @@ def replace_groups(name: str, new: dict, *, command: str, note: str | None) -> d
         raise SystemExit(f"--replace-groups: {path.name} has no rows for {missing}; replace only groups it measured")
     if old.get("max_tokens") != new["max_tokens"]:
         raise SystemExit(f"--replace-groups: {path.name} ran with --max-tokens {old.get('max_tokens')}; use the same")
+    if old.get("prompt_sample", "first") != new.get("prompt_sample", "first"):
+        raise SystemExit(f"--replace-groups: {path.name} took its prompts another way ({old.get('prompt_sample', 'first')}"
+                         f" n of each set); rerun the whole benchmark")
     def shape(result: dict, g: tuple) -> list:
         return sorted((r["policy"], r["prompts"]) for r in result["rows"] if (r["set"], r["cap"]) == g)
 

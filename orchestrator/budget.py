@@ -19,10 +19,11 @@ Node selection keeps trees valid: within a tree, probabilities never increase al
 lower (earlier, parents-first) index, so the k best nodes of a tree always include their ancestors.
 
 Closed loop (`observe`, called by the orchestrator after every step):
-- acceptance: picking the highest-scored nodes of many trees selects the ones whose scores are most over-estimated
-  (the winner's curse), so the controller scales node probabilities by realized / predicted accepted draft tokens
-  (exponential moving averages over recent steps from a neutral prior, clipped to [0.25, 1.5]; steps that verify
-  nothing let the scale drift back toward 1);
+- acceptance: served traffic drifts from the offline calibration, and picking the highest-scored nodes of many
+  trees selects the ones whose scores are most over-estimated (the winner's curse). Every verified node's outcome
+  feeds an online recalibration by probability bin (`orchestrator/recalibration.py`), and the allocation ranks and
+  counts nodes by their recalibrated probability. One realized / predicted ratio over all chosen nodes would let
+  the over-estimated high-probability nodes shrink the marginal ones too;
 - drafting cost: drafting runs on the same clock as verification (CPU here; SPIN-style overlap on GPUs hides it),
   so its measured seconds count in the goodput denominator. A step speculates only when the predicted goodput beats
   plain decoding by `min_gain` (the step-time model's own error is several percent: smaller predicted gains are
@@ -43,7 +44,7 @@ Closed loop (`observe`, called by the orchestrator after every step):
   choosing; the chosen step's prediction uses the engine's grouping.
 
 Opt-in (`per_request_acceptance=True`): each request's node probabilities are scaled by its own realized / predicted
-accepted tokens so far, shrunk toward the batch-wide scale (SpecServe §4).
+(recalibrated) accepted tokens so far, shrunk toward 1 (SpecServe §4).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from drafter.tree import DraftTree
+from orchestrator.recalibration import OnlineRecalibration
 from orchestrator.roofline import StepTimeModel
 
 _SSSD_KNEES = (16, 32, 48, 64, 96, 128, 160, 192)
@@ -86,12 +88,13 @@ class BudgetPolicy:
 class BudgetDecision:
     nodes: np.ndarray  # int32 [b]: nodes sent per request
     predicted_step_s: float
-    predicted_tokens: np.ndarray  # float64 [b]: 1 + sum of selected node probabilities (scaled by the closed loop)
+    predicted_tokens: np.ndarray  # float64 [b]: 1 + sum of selected node probabilities (recalibrated: closed loop)
     no_speculation_step_s: float  # predicted time of the same step with zero nodes
-    raw_draft_tokens: float = 0.0  # sum of the selected nodes' calibrated probabilities, before the closed-loop scale
+    raw_draft_tokens: float = 0.0  # sum of the selected nodes' calibrated probabilities, before recalibration
     gain: float = 0.0  # goodput: predicted goodput (drafting included) / plain decoding's without drafting, minus 1
     raw_per_request: np.ndarray | None = None  # float64 [b]: `raw_draft_tokens` per request
     request_ids: tuple | None = None  # the requests, in order, when the caller named them
+    node_probs: np.ndarray | None = None  # calibrated probabilities of the sent nodes: request by request, tree order
 
 
 _EMPTY_TREE = DraftTree.empty()
@@ -125,12 +128,9 @@ class BudgetController:
         # (within run-to-run noise at cap 4, slightly worse at cap 1).
         self.per_request_acceptance = per_request_acceptance
         self.prior_tokens = prior_tokens
-        self._history: dict = {}  # request id -> [predicted raw draft tokens, realized draft tokens] so far
+        self._history: dict = {}  # request id -> [predicted (recalibrated), realized draft tokens] so far
         # closed-loop state (goodput policy)
-        # EMAs of predicted (raw calibrated) and realized accepted draft tokens per step; both start at the same
-        # prior so that a few unlucky first steps cannot talk the controller out of speculating for good.
-        self._predicted_draft_tokens = 4.0
-        self._realized_draft_tokens = 4.0
+        self.recalibration = OnlineRecalibration()
         self._draft_s_per_request: deque[float] = deque(maxlen=16)  # recent drafting seconds per request
         self._next_cap = policy.max_nodes_per_request
         self._skip_steps = 0
@@ -149,8 +149,8 @@ class BudgetController:
 
     @property
     def acceptance_scale(self) -> float:
-        """Realized / predicted accepted draft tokens over recent steps (starts at 1: both averages share a prior)."""
-        return float(np.clip(self._realized_draft_tokens / self._predicted_draft_tokens, 0.25, 1.5))
+        """Realized / calibrated accepted draft tokens over recent steps, all probability bins together (reports)."""
+        return self.recalibration.scale
 
     @property
     def draft_s_per_request(self) -> float:
@@ -172,31 +172,36 @@ class BudgetController:
         return min(self._next_cap, p.max_nodes_per_request)
 
     def request_factors(self, request_ids: Sequence | None, b: int) -> np.ndarray:
-        """Expected accepted tokens per unit of calibrated probability, per request: the batch-wide
-        `acceptance_scale`, moved toward the request's own realized / predicted ratio as its history grows."""
-        scale = self.acceptance_scale
+        """Per request, a factor on its recalibrated node probabilities: 1, or with `per_request_acceptance` its own
+        realized / predicted accepted tokens so far, shrunk toward 1 by `prior_tokens`."""
         if request_ids is None or not self.per_request_acceptance:
-            return np.full(b, scale)
+            return np.ones(b)
         c = self.prior_tokens
         history = [self._history.get(rid, (0.0, 0.0)) for rid in request_ids]
-        return np.array([np.clip((realized + c * scale) / (predicted + c), 0.25, 2.0) for predicted, realized in history])
+        return np.array([np.clip((realized + c) / (predicted + c), 0.25, 2.0) for predicted, realized in history])
 
-    def observe(self, decision: "BudgetDecision", *, realized_draft_tokens: float, draft_s: float, cap: int,
-                measured_s: float | None = None, realized_per_request: Sequence[float] | None = None) -> None:
-        """Feed back one step: accepted draft tokens (bonus tokens excluded; in total and per request, in the
-        decision's order), the drafting time it cost and the measured verify time."""
+    def observe(self, decision: "BudgetDecision", *, accepted: np.ndarray, draft_s: float, cap: int,
+                measured_s: float | None = None) -> None:
+        """Feed back one step: which sent nodes were accepted (1/0 per node, in `decision.node_probs`' order), the
+        drafting time it cost and the measured verify time."""
         if self.policy.kind != "goodput":
             return
-        if (realized_per_request is not None and decision.request_ids is not None
-                and decision.raw_per_request is not None):
+        accepted = np.asarray(accepted, dtype=np.float64)
+        probs = decision.node_probs if decision.node_probs is not None else np.zeros(0)
+        if accepted.shape != probs.shape:
+            raise ValueError(f"accepted has {accepted.shape[0]} entries; the decision sent {probs.shape[0]} nodes")
+        if self.per_request_acceptance and decision.request_ids is not None:
             live = set(decision.request_ids)
             self._history = {rid: h for rid, h in self._history.items() if rid in live}  # finished ones leave
-            for rid, n, predicted, realized in zip(decision.request_ids, decision.nodes, decision.raw_per_request,
-                                                   realized_per_request):
+            owner = np.repeat(np.arange(len(decision.nodes)), decision.nodes)
+            predicted = np.bincount(owner, weights=self.recalibration(probs), minlength=len(decision.nodes))
+            realized = np.bincount(owner, weights=accepted, minlength=len(decision.nodes))
+            for rid, n, p, r in zip(decision.request_ids, decision.nodes, predicted, realized):
                 if n > 0:
                     h = self._history.setdefault(rid, [0.0, 0.0])
-                    h[0] += float(predicted)
-                    h[1] += float(realized)
+                    h[0] += float(p)
+                    h[1] += float(r)
+        self.recalibration.observe(probs, accepted)
         b = max(len(decision.nodes), 1)
         a = self.ema
         if measured_s and measured_s > 0 and decision.no_speculation_step_s > 0:
@@ -209,11 +214,6 @@ class BudgetController:
                 self._marginal_num = (1 - a) * self._marginal_num + a * excess * extra
                 self._marginal_den = (1 - a) * self._marginal_den + a * extra * extra
                 self.marginal_scale = float(np.clip(self._marginal_num / self._marginal_den, 0.25, 8.0))
-        if decision.nodes.sum() > 0:
-            self._predicted_draft_tokens = (1 - a) * self._predicted_draft_tokens + a * decision.raw_draft_tokens
-            self._realized_draft_tokens = (1 - a) * self._realized_draft_tokens + a * realized_draft_tokens
-        else:  # nothing verified, nothing learned: drift back toward trusting the calibration
-            self._realized_draft_tokens += 0.5 * a * (self._predicted_draft_tokens - self._realized_draft_tokens)
         if cap > 0:
             self._draft_s_per_request.append(draft_s / b)
             self._gain = (1 - 2 * a) * self._gain + 2 * a * decision.gain
@@ -255,24 +255,26 @@ class BudgetController:
             nodes = np.array([len(t) for t in pruned], dtype=np.int32)
             raw = np.array([t.expected_accepted for t in pruned])
             return pruned, BudgetDecision(nodes, self.step_model.predict(ones + nodes, context), ones + raw, base_s,
-                                          float(raw.sum()))
+                                          float(raw.sum()), node_probs=_node_probs(pruned))
 
         factors = self.request_factors(request_ids, b)
         nodes, step_s, tokens, raw, gain = self._goodput_nodes(trees, context, tpot_s, factors)
         pruned = [prune_tree(t, int(n)) for t, n in zip(trees, nodes)]
         return pruned, BudgetDecision(nodes, step_s, tokens, base_s, float(raw.sum()), gain, raw_per_request=raw,
-                                      request_ids=None if request_ids is None else tuple(request_ids))
+                                      request_ids=None if request_ids is None else tuple(request_ids),
+                                      node_probs=_node_probs(pruned))
 
     def _goodput_nodes(self, trees, context, tpot_s, factors):
         b = len(trees)
         model = self.step_model
         ones = np.ones(b)
         # Candidates of the whole batch, best first by expected accepted tokens (the request's factor times the
-        # node's calibrated path probability, at most 1); scaling a tree by one factor keeps prune_tree's order.
+        # node's recalibrated path probability, at most 1); the recalibration is non-decreasing and one factor
+        # scales a whole tree, so a tree keeps prune_tree's order.
         sizes = np.array([len(t) for t in trees], dtype=np.int64)
         owner = np.repeat(np.arange(b), sizes)
         raw_probs = np.concatenate([t.probs for t in trees] + [np.empty(0, np.float32)]).astype(np.float64)
-        probs = np.minimum(factors[owner] * raw_probs, 1.0)
+        probs = np.minimum(factors[owner] * self.recalibration(raw_probs), 1.0)
         index = np.arange(owner.shape[0]) - np.repeat(np.cumsum(sizes) - sizes, sizes)
         order = np.lexsort((index, owner, -probs))
         owner, probs, raw_probs = owner[order], probs[order], raw_probs[order]
@@ -320,6 +322,10 @@ class BudgetController:
         raw = np.bincount(owner[:k], weights=raw_probs[:k], minlength=b)
         predicted_s = float(model_s[k]) if model.attention_layout != "grouped" else model.predict(ones + nodes, context)
         return nodes, predicted_s, ones + expected_per_request, raw, gain
+
+
+def _node_probs(trees: Sequence[DraftTree]) -> np.ndarray:
+    return np.concatenate([t.probs for t in trees] + [np.empty(0, np.float32)]).astype(np.float64)
 
 
 def _cumcount(groups: np.ndarray) -> np.ndarray:

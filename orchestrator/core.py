@@ -180,18 +180,20 @@ class Orchestrator:
         self._drafter_idle()  # the drafter is updated below
 
         realized = 0
-        accepted = []
+        accepted = []  # per request: 1 for each sent node on the accepted path
         for state, tree, result in zip(states, trees, verify.results):
             verdict = accept(tree, result.target_tokens)
             realized += verdict.num_accepted + 1
-            accepted.append(verdict.num_accepted)
+            on_path = np.zeros(len(tree))
+            on_path[verdict.accepted_nodes] = 1.0
+            accepted.append(on_path)
             state.stats.steps += 1
             state.stats.drafted += len(tree)
             state.stats.accepted += verdict.num_accepted
             self._advance(state, verdict.accepted_nodes, verdict.new_tokens)
 
-        self.budget.observe(decision, realized_draft_tokens=realized - len(states), draft_s=draft_s, cap=cap,
-                            measured_s=measured_s, realized_per_request=accepted)
+        self.budget.observe(decision, accepted=np.concatenate(accepted), draft_s=draft_s, cap=cap,
+                            measured_s=measured_s)
         record = StepRecord(
             batch=len(states), prefills=prefills, nodes=decision.nodes.tolist(),
             predicted_tokens=float(decision.predicted_tokens.sum()), realized_tokens=realized,

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from drafter.tree import DraftTree
 from orchestrator.budget import BudgetController, BudgetPolicy, prune_tree
+from orchestrator.recalibration import OnlineRecalibration
 from orchestrator.roofline import KNOWN_HARDWARE, HardwareSpec, ModelShape, StepTimeModel
 
 LLAMA_8B = ModelShape.from_config({
@@ -139,13 +142,63 @@ def test_realized_acceptance_below_prediction_shrinks_the_budget():
     controller = BudgetController(BudgetPolicy.parse("goodput"), model)
     trees, context = chain_trees(16, 0.8), np.full(16, 1024)
     _, first = controller.allocate(trees, context)
-    for _ in range(60):  # drafts are accepted at 60% of their calibrated rate
+    rng = np.random.default_rng(0)
+    for _ in range(60):  # drafts are accepted at 30% of their calibrated rate
         _, decision = controller.allocate(trees, context)
-        controller.observe(decision, realized_draft_tokens=0.6 * decision.raw_draft_tokens, draft_s=0.0, cap=32)
+        controller.observe(decision, accepted=rng.random(decision.node_probs.shape) < 0.3 * decision.node_probs,
+                           draft_s=0.0, cap=32)
     _, later = controller.allocate(trees, context)
-    assert controller.acceptance_scale == pytest.approx(0.6, rel=0.05)
+    assert controller.acceptance_scale == pytest.approx(0.3, abs=0.05)
     assert 0 < later.nodes.sum() < first.nodes.sum()
-    assert later.predicted_tokens.sum() - 16 == pytest.approx(controller.acceptance_scale * later.raw_draft_tokens, rel=1e-6)
+    # predictions are the recalibrated probabilities of the nodes sent
+    assert later.predicted_tokens.sum() - 16 == pytest.approx(controller.recalibration(later.node_probs).sum())
+    with pytest.raises(ValueError, match="accepted has 3 entries"):
+        controller.observe(later, accepted=np.ones(3), draft_s=0.0, cap=32)
+
+
+def test_recalibration_corrects_each_probability_band_on_its_own():
+    # Over-confident high-probability nodes (0.65 accepted 45% of the time) must not drag down well-calibrated
+    # low-probability ones: those decide how many nodes are worth sending.
+    recalibration = OnlineRecalibration()
+    assert recalibration(np.array([0.0, 0.15, 0.65, 1.0])) == pytest.approx([0.0, 0.15, 0.65, 1.0])  # no evidence
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        probs = np.concatenate([np.full(20, 0.65), np.full(20, 0.15)])
+        accepted = rng.random(40) < np.where(probs > 0.5, 0.45, 0.15)
+        recalibration.observe(probs, accepted)
+    high, low = recalibration(np.array([0.65, 0.15]))
+    assert high == pytest.approx(0.45, abs=0.05)
+    assert low == pytest.approx(0.15, abs=0.03)
+    grid = np.linspace(0, 1, 101)
+    assert np.all(np.diff(recalibration(grid)) >= 0) and recalibration(grid).max() <= 1.0
+    for _ in range(300):  # steps that verify nothing: back to trusting the calibration
+        recalibration.observe(np.zeros(0), np.zeros(0))
+    assert recalibration(np.array([0.65])) == pytest.approx([0.65], abs=0.01)
+    with pytest.raises(ValueError, match="same shape"):
+        recalibration.observe(np.ones(2), np.ones(3))
+    with pytest.raises(ValueError, match="decay"):
+        OnlineRecalibration(decay=0.0)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 1.0), st.booleans()), min_size=0, max_size=200),
+       st.lists(st.floats(0.0, 1.0), min_size=2, max_size=40))
+def test_recalibrated_trees_stay_trees(observations, probs):
+    # The map is non-decreasing whatever it has seen, so prune_tree's prefix of a recalibrated tree keeps every
+    # chosen node's ancestors.
+    recalibration = OnlineRecalibration()
+    for p, ok in observations:
+        recalibration.observe(np.array([p]), np.array([float(ok)]))
+    grid = np.sort(np.array(probs))
+    mapped = recalibration(grid)
+    assert np.all(np.diff(mapped) >= 0) and np.all((mapped >= 0) & (mapped <= 1))
+    model = h100_model()
+    controller = BudgetController(BudgetPolicy.parse("goodput"), model)
+    controller.recalibration = recalibration
+    tree = DraftTree.chain(np.arange(len(probs)), probs=np.cumprod(np.sort(probs)[::-1]))
+    pruned, decision = controller.allocate([tree], np.array([512.0]))
+    n = int(decision.nodes[0])
+    assert np.array_equal(pruned[0].tokens, tree.tokens[:n])
 
 
 def test_drafting_that_costs_more_than_it_returns_backs_off_and_probes_again():
@@ -159,7 +212,7 @@ def test_drafting_that_costs_more_than_it_returns_backs_off_and_probes_again():
         caps.append(cap)
         _, decision = controller.allocate(trees if cap else [DraftTree.empty()] * 8, context)
         # drafting costs half a step and the chains are weak: speculation cannot pay for it
-        controller.observe(decision, realized_draft_tokens=decision.raw_draft_tokens, draft_s=0.5 * step_s, cap=cap)
+        controller.observe(decision, accepted=decision.node_probs, draft_s=0.5 * step_s, cap=cap)
     assert all(c > 0 for c in caps[:8])  # the first steps measure the drafting cost (caches are cold at first)
     assert caps[8:].count(0) >= 40  # then drafting is mostly skipped ...
     assert any(c > 0 for c in caps[20:])  # ... with probes in between
@@ -168,7 +221,7 @@ def test_drafting_that_costs_more_than_it_returns_backs_off_and_probes_again():
         cap = cheap.draft_cap(8)
         assert cap > 0  # cheap drafting of strong chains never backs off
         _, decision = cheap.allocate(chain_trees(8, 0.9), context)
-        cheap.observe(decision, realized_draft_tokens=decision.raw_draft_tokens, draft_s=1e-6, cap=cap)
+        cheap.observe(decision, accepted=decision.node_probs, draft_s=1e-6, cap=cap)
 
 
 def test_speculated_tokens_that_cost_more_than_predicted_get_fewer_nodes():
@@ -179,7 +232,7 @@ def test_speculated_tokens_that_cost_more_than_predicted_get_fewer_nodes():
     for _ in range(60):  # the device pays 6x the predicted cost for the speculated part of each step
         _, d = controller.allocate(trees, context)
         measured = d.no_speculation_step_s + 6.0 * (d.predicted_step_s - d.no_speculation_step_s)
-        controller.observe(d, realized_draft_tokens=d.raw_draft_tokens, draft_s=0.0, cap=64, measured_s=measured)
+        controller.observe(d, accepted=d.node_probs, draft_s=0.0, cap=64, measured_s=measured)
     _, later = controller.allocate(trees, context)
     assert controller.marginal_scale == pytest.approx(6.0, rel=0.05)
     assert later.nodes.sum() < first.nodes.sum()
@@ -223,13 +276,13 @@ def test_per_request_acceptance_favours_the_request_whose_drafts_land():
     trees, context, ids = chain_trees(2, 0.6), np.full(2, 1024), ["lands", "misses"]
     for _ in range(20):  # same calibrated trees; one request's drafts are always accepted, the other's never
         _, d = controller.allocate(trees, context, request_ids=ids)
-        controller.observe(d, realized_draft_tokens=float(d.nodes[0]), draft_s=0.0, cap=64,
-                           realized_per_request=[int(d.nodes[0]), 0])
+        accepted = np.concatenate([np.ones(d.nodes[0]), np.zeros(d.nodes[1])])
+        controller.observe(d, accepted=accepted, draft_s=0.0, cap=64)
     factors = controller.request_factors(ids, 2)
     assert factors[0] > 1.0 > factors[1]
     _, d = controller.allocate(trees, context, request_ids=ids)
     assert d.nodes[0] > d.nodes[1]
-    assert controller.request_factors(["new"], 1)[0] == pytest.approx(controller.acceptance_scale)  # no history yet
+    assert controller.request_factors(["new"], 1)[0] == 1.0  # no history yet: the batch-wide recalibration alone
 
 
 def test_online_refits_keep_the_start_up_sweep():

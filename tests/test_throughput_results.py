@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from benchmarks import throughput
+from tools.trajectories import spread
 
 
 def _row(set_name: str, cap: int, policy: str, tok_s: float) -> dict:
@@ -66,4 +67,15 @@ def test_replacing_a_group_the_file_never_measured_is_refused_and_changes_nothin
     with pytest.raises(SystemExit, match="max-tokens"):
         throughput.replace_groups("throughput", {**new, "rows": [_row("a", 1, "none", 9.0)], "max_tokens": 64},
                                   command="c", note=None)
+    with pytest.raises(SystemExit, match="took its prompts another way"):  # the file's rows served the first n
+        throughput.replace_groups("throughput", {**new, "rows": [_row("a", 1, "none", 9.0)],
+                                                 "prompt_sample": "spread"}, command="c", note=None)
     assert (tmp_path / "throughput.json").read_text() == before
+
+
+def test_spread_sample_covers_the_whole_set():
+    mtbench_like = [f"{category}-{i}" for category in "abcdefgh" for i in range(10)]  # sorted by category
+    picked = spread(mtbench_like, 8)
+    assert [p[0] for p in picked] == list("abcdefgh") and picked[0] == "a-0" and picked[-1] == "h-9"
+    assert len(set(spread(mtbench_like, 64))) == 64  # never the same prompt twice
+    assert spread(mtbench_like, 200) == mtbench_like and spread(mtbench_like, 0) == []

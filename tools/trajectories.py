@@ -7,8 +7,10 @@ and the acceptance benchmark need no model), with a `<set>-<split>.meta.json` be
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -22,6 +24,22 @@ class Trajectory:
     prompt_ids: np.ndarray  # int32 [prompt_len]
     output_ids: np.ndarray  # int32 [n_out]; output_ids[0] is the prefill's token
     finish_reason: str  # "eos" or "length"
+
+
+T = TypeVar("T")
+
+
+def spread(items: Sequence[T], n: int) -> list[T]:
+    """`n` items evenly spaced over `items` (all of them when n >= len), first and last included.
+
+    Benchmarks that serve a few prompts of a set take them this way, not the first n: the eval sets keep their
+    source's order, and MT-Bench's is by category, so its first 8 questions are all "writing" of its 8 categories.
+    """
+    if n >= len(items):
+        return list(items)
+    if n <= 0:
+        return []
+    return [items[i] for i in np.linspace(0, len(items) - 1, n).round().astype(int)]
 
 
 def trajectory_path(set_name: str, split: str, directory: Path = TRAJECTORY_DIR) -> Path:
