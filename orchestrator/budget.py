@@ -35,8 +35,11 @@ Closed loop (`observe`, called by the orchestrator after every step):
   batches do not draft 64 nodes per request to send two;
 - marginal cost: goodput hinges on what the speculated tokens add to a plain step, which a global least-squares fit
   can get wrong at the current operating point. Measured / predicted time of plain steps (`plain_scale`, a moving
-  average) and of the speculated part of speculating steps (`marginal_scale`, a decayed least-squares slope of
-  measured over predicted extra time, both relative to the plain step) are tracked and applied to the prediction;
+  average) is tracked, and over speculating steps a decayed least-squares line of measured on predicted extra time
+  (both relative to the plain step): its intercept `speculation_overhead` is what any speculating step costs on top
+  (tree masks, positions, an extra attention call: 3 ms of a 40 ms step at cap 4 on the CPU), its slope
+  `marginal_scale` what each predicted second of extra tokens costs. A slope alone would charge that fixed overhead
+  to every node, and the smaller the trees the more (it measured 1.5-1.9 at cap 4 where nodes cost 1.15 each);
 - the engine's attention layout (`StepTimeModel.attention_layout`): on an engine that pads every request of a step
   to the deepest tree, the candidate that deepens the deepest tree costs attention rows for every request, so the
   allocation spreads nodes across requests unless one request's nodes are worth that. An engine that groups
@@ -140,11 +143,12 @@ class BudgetController:
         # top of them: the goodput decision hinges on that marginal cost, which a global fit can get wrong locally.
         self.plain_scale = 1.0
         self.marginal_scale = 1.0
-        # `marginal_scale` is a least-squares slope through the origin of (measured - plain) on (predicted - plain)
-        # over recent speculating steps (exponentially decayed sums, both relative to the plain step): a ratio per
-        # step would divide timing noise by the small predicted extra of a step that sends few nodes, and swing the
-        # controller from step to step. The sums start at a prior worth a few steps of 10% extra at slope 1.
-        self._marginal_num = self._marginal_den = 3 * 0.1**2
+        self.speculation_overhead = 0.0  # of a plain step
+        # Intercept and slope: least squares of (measured - plain) on (predicted - plain) over recent speculating
+        # steps, from exponentially decayed sums [1, x, y, x^2, xy] (a ratio per step would divide timing noise by
+        # the small predicted extra of a step that sends few nodes). The sums start as two pseudo-steps on the line
+        # y = x (5% and 15% extra), so the first speculating steps cannot swing it far; they fade like the data.
+        self._cost_sums = np.array([1.0, 0.1, 0.1, 0.0125, 0.0125])
         self._drafted_steps = 0  # no back-off during the first steps: cold caches make the first drafts slow
 
     @property
@@ -209,11 +213,10 @@ class BudgetController:
             if decision.nodes.sum() == 0:
                 self.plain_scale = (1 - a) * self.plain_scale + a * float(np.clip(measured_s / base, 0.25, 4.0))
             elif decision.predicted_step_s > base * 1.001:
-                extra = (decision.predicted_step_s - base) / base
-                excess = (measured_s - self.plain_scale * base) / base
-                self._marginal_num = (1 - a) * self._marginal_num + a * excess * extra
-                self._marginal_den = (1 - a) * self._marginal_den + a * extra * extra
-                self.marginal_scale = float(np.clip(self._marginal_num / self._marginal_den, 0.25, 8.0))
+                x = (decision.predicted_step_s - base) / base
+                y = (measured_s - self.plain_scale * base) / base
+                self._cost_sums = (1 - a) * self._cost_sums + a * np.array([1.0, x, y, x * x, x * y])
+                self.speculation_overhead, self.marginal_scale = _speculation_cost_line(self._cost_sums)
         if cap > 0:
             self._draft_s_per_request.append(draft_s / b)
             self._gain = (1 - 2 * a) * self._gain + 2 * a * decision.gain
@@ -304,7 +307,8 @@ class BudgetController:
         ], axis=1)
         model_s = features @ model.coefficients
         # what the speculated tokens cost on top of a plain step, corrected by what such steps measured
-        step_s = self.plain_scale * model_s[0] + self.marginal_scale * (model_s - model_s[0])
+        step_s = (self.plain_scale * model_s[0] + self.marginal_scale * (model_s - model_s[0])
+                  + np.where(np.arange(k_max + 1) > 0, self.speculation_overhead * model_s[0], 0.0))
         expected = b + np.concatenate([[0.0], np.cumsum(probs)])
         # Drafting is part of this step's time (already spent, also for k = 0), so it stays in the denominator;
         # `gain` compares the result with plain decoding that drafts nothing, which steers the next steps' drafting.
@@ -322,6 +326,19 @@ class BudgetController:
         raw = np.bincount(owner[:k], weights=raw_probs[:k], minlength=b)
         predicted_s = float(model_s[k]) if model.attention_layout != "grouped" else model.predict(ones + nodes, context)
         return nodes, predicted_s, ones + expected_per_request, raw, gain
+
+
+def _speculation_cost_line(sums: np.ndarray) -> tuple[float, float]:
+    """Intercept >= 0 and slope in [0.25, 8] of y on x from decayed sums [1, x, y, x^2, xy], with a light ridge
+    toward (0, 1) so that steps of one size (an intercept and a slope cannot be told apart) stay solvable."""
+    n, sx, sy, sxx, sxy = sums
+    ridge_intercept, ridge_slope = 1e-6, 1e-6
+    det = (n + ridge_intercept) * (sxx + ridge_slope) - sx * sx
+    intercept = (sy * (sxx + ridge_slope) - sx * (sxy + ridge_slope)) / det
+    slope = ((n + ridge_intercept) * (sxy + ridge_slope) - sx * sy) / det
+    if intercept < 0:  # speculating cannot make a step cheaper than plain: a line through the origin
+        intercept, slope = 0.0, (sxy + ridge_slope) / (sxx + ridge_slope)
+    return float(min(intercept, 1.0)), float(np.clip(slope, 0.25, 8.0))
 
 
 def _node_probs(trees: Sequence[DraftTree]) -> np.ndarray:

@@ -227,15 +227,38 @@ def test_drafting_that_costs_more_than_it_returns_backs_off_and_probes_again():
 def test_speculated_tokens_that_cost_more_than_predicted_get_fewer_nodes():
     model = h100_model()
     controller = BudgetController(BudgetPolicy.parse("goodput"), model)
-    trees, context = chain_trees(32, 0.7), np.full(32, 1024)
-    _, first = controller.allocate(trees, context)
-    for _ in range(60):  # the device pays 6x the predicted cost for the speculated part of each step
-        _, d = controller.allocate(trees, context)
+    context = np.full(32, 1024)
+    _, first = controller.allocate(chain_trees(32, 0.7), context)
+    for p in np.tile([0.5, 0.6, 0.7, 0.8], 20):  # the device pays 6x the predicted cost of the speculated part
+        _, d = controller.allocate(chain_trees(32, p), context)
         measured = d.no_speculation_step_s + 6.0 * (d.predicted_step_s - d.no_speculation_step_s)
         controller.observe(d, accepted=d.node_probs, draft_s=0.0, cap=64, measured_s=measured)
-    _, later = controller.allocate(trees, context)
+    _, later = controller.allocate(chain_trees(32, 0.7), context)
     assert controller.marginal_scale == pytest.approx(6.0, rel=0.05)
+    assert controller.speculation_overhead == pytest.approx(0.0, abs=0.01)
     assert later.nodes.sum() < first.nodes.sum()
+
+
+def test_a_fixed_cost_of_speculating_is_not_charged_to_every_node():
+    # Measured: any speculating step costs 8% of a plain step more, then each node what the model predicts (the
+    # CPU engine's tree masks and extra attention call). The controller learns the intercept and the slope apart.
+    model = h100_model()
+    context = np.full(4, 1024)
+    rng = np.random.default_rng(0)
+    controller = BudgetController(BudgetPolicy.parse("goodput"), model)
+    for _ in range(200):
+        _, d = controller.allocate(chain_trees(4, float(rng.uniform(0.5, 0.95))), context)
+        if d.nodes.sum():
+            measured = 1.08 * d.no_speculation_step_s + (d.predicted_step_s - d.no_speculation_step_s)
+        else:
+            measured = d.no_speculation_step_s
+        controller.observe(d, accepted=d.node_probs, draft_s=0.0, cap=64, measured_s=measured)
+    assert controller.speculation_overhead == pytest.approx(0.08, abs=0.01)
+    assert controller.marginal_scale == pytest.approx(1.0, abs=0.05)
+    # the allocation pays the overhead once: it speculates, and deeper than a controller told nothing
+    _, with_overhead = controller.allocate(chain_trees(4, 0.9), context)
+    _, naive = BudgetController(BudgetPolicy.parse("goodput"), model).allocate(chain_trees(4, 0.9), context)
+    assert with_overhead.nodes.sum() >= naive.nodes.sum() > 0
 
 
 def test_padded_attention_charges_every_request_for_the_deepest_tree():
