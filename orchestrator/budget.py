@@ -93,9 +93,7 @@ class BudgetDecision:
     predicted_step_s: float
     predicted_tokens: np.ndarray  # float64 [b]: 1 + sum of selected node probabilities (recalibrated: closed loop)
     no_speculation_step_s: float  # predicted time of the same step with zero nodes
-    raw_draft_tokens: float = 0.0  # sum of the selected nodes' calibrated probabilities, before recalibration
     gain: float = 0.0  # goodput: predicted goodput (drafting included) / plain decoding's without drafting, minus 1
-    raw_per_request: np.ndarray | None = None  # float64 [b]: `raw_draft_tokens` per request
     request_ids: tuple | None = None  # the requests, in order, when the caller named them
     node_probs: np.ndarray | None = None  # calibrated probabilities of the sent nodes: request by request, tree order
 
@@ -258,12 +256,12 @@ class BudgetController:
             nodes = np.array([len(t) for t in pruned], dtype=np.int32)
             raw = np.array([t.expected_accepted for t in pruned])
             return pruned, BudgetDecision(nodes, self.step_model.predict(ones + nodes, context), ones + raw, base_s,
-                                          float(raw.sum()), node_probs=_node_probs(pruned))
+                                          node_probs=_node_probs(pruned))
 
         factors = self.request_factors(request_ids, b)
-        nodes, step_s, tokens, raw, gain = self._goodput_nodes(trees, context, tpot_s, factors)
+        nodes, step_s, tokens, gain = self._goodput_nodes(trees, context, tpot_s, factors)
         pruned = [prune_tree(t, int(n)) for t, n in zip(trees, nodes)]
-        return pruned, BudgetDecision(nodes, step_s, tokens, base_s, float(raw.sum()), gain, raw_per_request=raw,
+        return pruned, BudgetDecision(nodes, step_s, tokens, base_s, gain,
                                       request_ids=None if request_ids is None else tuple(request_ids),
                                       node_probs=_node_probs(pruned))
 
@@ -276,11 +274,10 @@ class BudgetController:
         # scales a whole tree, so a tree keeps prune_tree's order.
         sizes = np.array([len(t) for t in trees], dtype=np.int64)
         owner = np.repeat(np.arange(b), sizes)
-        raw_probs = np.concatenate([t.probs for t in trees] + [np.empty(0, np.float32)]).astype(np.float64)
-        probs = np.minimum(factors[owner] * self.recalibration(raw_probs), 1.0)
+        probs = np.minimum(factors[owner] * self.recalibration(_node_probs(trees)), 1.0)
         index = np.arange(owner.shape[0]) - np.repeat(np.cumsum(sizes) - sizes, sizes)
         order = np.lexsort((index, owner, -probs))
-        owner, probs, raw_probs = owner[order], probs[order], raw_probs[order]
+        owner, probs = owner[order], probs[order]
         k_max = owner.shape[0]
 
         # Predicted step time after adding the first k candidates, k = 0..k_max, without re-running the model:
@@ -323,9 +320,8 @@ class BudgetController:
         gain = float(goodput[k] * step_s[0] / expected[0] - 1.0)
         nodes = np.bincount(owner[:k], minlength=b).astype(np.int32)
         expected_per_request = np.bincount(owner[:k], weights=probs[:k], minlength=b)
-        raw = np.bincount(owner[:k], weights=raw_probs[:k], minlength=b)
         predicted_s = float(model_s[k]) if model.attention_layout != "grouped" else model.predict(ones + nodes, context)
-        return nodes, predicted_s, ones + expected_per_request, raw, gain
+        return nodes, predicted_s, ones + expected_per_request, gain
 
 
 def _speculation_cost_line(sums: np.ndarray) -> tuple[float, float]:
