@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from drafter.calibration import pav
+
 _EDGES = np.array([0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0])
 
 
@@ -28,8 +30,8 @@ class OnlineRecalibration:
             raise ValueError(f"decay must be in (0, 1] and prior_nodes > 0 (got {decay}, {prior_nodes})")
         self.decay = decay
         self.centers = (_EDGES[:-1] + _EDGES[1:]) / 2
-        self._prior = prior_nodes * self.centers  # pseudo-acceptances: as many realized as predicted
         self.prior_nodes = prior_nodes
+        self._prior = prior_nodes * self.centers  # pseudo-acceptances: as many realized as predicted
         self._predicted = np.zeros(self.centers.shape[0])
         self._realized = np.zeros(self.centers.shape[0])
         self._nodes = np.zeros(self.centers.shape[0])
@@ -66,18 +68,7 @@ class OnlineRecalibration:
             self._realized += np.bincount(bins, weights=accepted, minlength=n)
             self._nodes += np.bincount(bins, minlength=n)
         ratios = self.ratios
-        rates = _pool_adjacent_violators(np.minimum(self.centers * ratios, 1.0), self._nodes + self.prior_nodes)
+        rates = pav(np.minimum(self.centers * ratios, 1.0), self._nodes + self.prior_nodes)
         top = float(np.clip(ratios[-1], rates[-1], 1.0))  # a calibrated 1.0 scaled by the top bin's ratio
         self._knots_y = np.concatenate([[0.0], rates, [top]])
 
-
-def _pool_adjacent_violators(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """The non-decreasing sequence closest to `values` in weighted least squares (one pass over a dozen bins)."""
-    blocks: list[list[float]] = []  # [mean, weight, bins]
-    for value, weight in zip(values.tolist(), weights.tolist()):
-        blocks.append([value, weight, 1])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            mean2, weight2, n2 = blocks.pop()
-            mean1, weight1, n1 = blocks.pop()
-            blocks.append([(mean1 * weight1 + mean2 * weight2) / (weight1 + weight2), weight1 + weight2, n1 + n2])
-    return np.repeat([b[0] for b in blocks], [b[2] for b in blocks])
