@@ -5,7 +5,7 @@
 
 For each prompt set (recorded eval prompts, `tools/record_trajectories.py`) and concurrency cap, every policy
 (`none`, `fixed:4`, `fixed:16`, `fixed:32`, `roofline`, `goodput`) serves the same prompts through `Orchestrator`
-(all requests submitted at t=0, at most `cap` running; twice as many prompts as the cap, at least 8, each
+(all requests submitted at t=0, at most `cap` running; twice as many prompts as the cap, at least 16, each
 generating its reference length with EOS ignored, so every policy does the same work). Reports output tokens/s, mean
 and p90 request latency, tau (tokens per request-step) and speedup over `none`; the step-time model's median
 relative error over every step; and losslessness: an fp32 run in which every policy's outputs must equal `none`'s token for token
@@ -71,7 +71,8 @@ class _PolicyRun:
         # online from its own recent steps (the default window) and the start-up sweep. A model shared by every
         # policy and every group of the run would predict a cap-1 step from a fit dominated by other batch shapes.
         controller = BudgetController(BudgetPolicy.parse(policy), step_model.clone())
-        self.orchestrator = Orchestrator(engine, drafter, controller, max_running=cap, clock=self.clock)
+        self.orchestrator = Orchestrator(engine, drafter, controller, max_running=cap, clock=self.clock,
+                                         offline_batch=True)
         self.finished: dict[str, float] = {}
         self.outputs: dict[str, list[int]] = {}
         self.steps: dict[str, int] = {}
@@ -454,10 +455,11 @@ def main(argv: list[str] | None = None) -> int:
         args.rounds = 1
         prompts_per_cap = lambda cap: max(cap, 2)  # noqa: E731
     else:
-        # Twice the cap (at least 8): the cap stays full while a queue waits, as under a concurrency limit in service.
+        # Twice the cap: the cap stays full while a queue waits, as under a concurrency limit in service.
         # With only `cap` prompts a row measured one draining batch, whose time the slowest request sets: speeding
         # up the others then buys almost nothing, and every policy that speculates on them looked worse than it is.
-        prompts_per_cap = lambda cap: max(2 * cap, 8)  # noqa: E731
+        # At least 16, so that a small-cap row does not rest on a handful of prompts.
+        prompts_per_cap = lambda cap: max(2 * cap, 16)  # noqa: E731
     for policy in args.policies:
         BudgetPolicy.parse(policy)  # fail fast on a typo
     started = time.perf_counter()

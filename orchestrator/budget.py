@@ -21,9 +21,11 @@ lower (earlier, parents-first) index, so the k best nodes of a tree always inclu
 Closed loop (`observe`, called by the orchestrator after every step):
 - acceptance: served traffic drifts from the offline calibration, and picking the highest-scored nodes of many
   trees selects the ones whose scores are most over-estimated (the winner's curse). Every verified node's outcome
-  feeds an online recalibration by probability bin (`orchestrator/recalibration.py`), and the allocation ranks and
-  counts nodes by their recalibrated probability. One realized / predicted ratio over all chosen nodes would let
-  the over-estimated high-probability nodes shrink the marginal ones too;
+  feeds an online recalibration by depth and probability bin (`orchestrator/recalibration.py`), and the allocation
+  ranks, chooses and counts nodes by their recalibrated probability (a deep node may now rank below a shallower
+  sibling branch of lower calibrated probability: the chosen nodes are not always `prune_tree`'s). One realized /
+  predicted ratio over all chosen nodes would let the over-estimated high-probability nodes shrink the marginal
+  ones too, and one map for every depth would let the deep chains' compounding error shrink the shallow nodes;
 - drafting cost: drafting runs on the same clock as verification (CPU here; SPIN-style overlap on GPUs hides it),
   so its measured seconds count in the goodput denominator. A step speculates only when the predicted goodput beats
   plain decoding by `min_gain` (the step-time model's own error is several percent: smaller predicted gains are
@@ -44,7 +46,14 @@ Closed loop (`observe`, called by the orchestrator after every step):
   to the deepest tree, the candidate that deepens the deepest tree costs attention rows for every request, so the
   allocation spreads nodes across requests unless one request's nodes are worth that. An engine that groups
   requests of similar shape into separate calls (`TorchEngine`) is priced per request, as a packed one, while
-  choosing; the chosen step's prediction uses the engine's grouping.
+  choosing; the chosen step's prediction uses the engine's grouping. On a grouped engine the best prefix is then
+  compared, at the engine's grouping, with allocations that cap every request at L nodes (L = 1, 2, 4, ...), since
+  a few deep trees among shallow ones pad the calls they share;
+- offline batches (`remaining_steps`, passed by an `Orchestrator(offline_batch=True)` once no request waits): the job
+  ends when its slowest request does, so each request's tokens are weighed by its steps left relative to the slowest
+  request's. Greedy goodput otherwise finishes the easy requests first and leaves the hard ones to a long, nearly
+  empty tail (grounded set, cap 16: about 40% of the run's time with fewer than 16 requests running, against a
+  third for `fixed:4`).
 
 Opt-in (`per_request_acceptance=True`): each request's node probabilities are scaled by its own realized / predicted
 (recalibrated) accepted tokens so far, shrunk toward 1 (SpecServe §4).
@@ -96,6 +105,7 @@ class BudgetDecision:
     gain: float = 0.0  # goodput: predicted goodput (drafting included) / plain decoding's without drafting, minus 1
     request_ids: tuple | None = None  # the requests, in order, when the caller named them
     node_probs: np.ndarray | None = None  # calibrated probabilities of the sent nodes: request by request, tree order
+    node_depths: np.ndarray | None = None  # and their depths, in the same order
 
 
 _EMPTY_TREE = DraftTree.empty()
@@ -190,20 +200,21 @@ class BudgetController:
             return
         accepted = np.asarray(accepted, dtype=np.float64)
         probs = decision.node_probs if decision.node_probs is not None else np.zeros(0)
+        depths = decision.node_depths if decision.node_depths is not None else np.ones(probs.shape, np.int32)
         if accepted.shape != probs.shape:
             raise ValueError(f"accepted has {accepted.shape[0]} entries; the decision sent {probs.shape[0]} nodes")
         if self.per_request_acceptance and decision.request_ids is not None:
             live = set(decision.request_ids)
             self._history = {rid: h for rid, h in self._history.items() if rid in live}  # finished ones leave
             owner = np.repeat(np.arange(len(decision.nodes)), decision.nodes)
-            predicted = np.bincount(owner, weights=self.recalibration(probs), minlength=len(decision.nodes))
+            predicted = np.bincount(owner, weights=self.recalibration(probs, depths), minlength=len(decision.nodes))
             realized = np.bincount(owner, weights=accepted, minlength=len(decision.nodes))
             for rid, n, p, r in zip(decision.request_ids, decision.nodes, predicted, realized):
                 if n > 0:
                     h = self._history.setdefault(rid, [0.0, 0.0])
                     h[0] += float(p)
                     h[1] += float(r)
-        self.recalibration.observe(probs, accepted)
+        self.recalibration.observe(probs, depths, accepted)
         b = max(len(decision.nodes), 1)
         a = self.ema
         if measured_s and measured_s > 0 and decision.no_speculation_step_s > 0:
@@ -243,9 +254,12 @@ class BudgetController:
         *,
         tpot_s: np.ndarray | None = None,
         request_ids: Sequence | None = None,
+        remaining_steps: np.ndarray | None = None,
     ) -> tuple[list[DraftTree], BudgetDecision]:
         """Choose the nodes each request verifies this step; returns pruned trees and the decision. `request_ids`
-        (in the trees' order) lets `goodput` weigh each request by its own realized acceptance."""
+        (in the trees' order) lets `goodput` weigh each request by its own realized acceptance. `remaining_steps`
+        (per request, given while an offline batch drains): `goodput` weighs each request's tokens by its steps left
+        relative to the slowest request's, which sets when the batch finishes."""
         b = len(trees)
         context = np.asarray(context, dtype=np.float64)
         ones = np.ones(b)
@@ -256,37 +270,89 @@ class BudgetController:
             nodes = np.array([len(t) for t in pruned], dtype=np.int32)
             raw = np.array([t.expected_accepted for t in pruned])
             return pruned, BudgetDecision(nodes, self.step_model.predict(ones + nodes, context), ones + raw, base_s,
-                                          node_probs=_node_probs(pruned))
+                                          node_probs=_node_probs(pruned), node_depths=_node_depths(pruned))
 
         factors = self.request_factors(request_ids, b)
-        nodes, step_s, tokens, gain = self._goodput_nodes(trees, context, tpot_s, factors)
-        pruned = [prune_tree(t, int(n)) for t, n in zip(trees, nodes)]
+        weights = np.ones(b) if remaining_steps is None else _drain_weights(np.asarray(remaining_steps, np.float64))
+        nodes, step_s, tokens, gain, chosen = self._goodput_nodes(trees, context, tpot_s, factors, weights)
+        pruned = [t if n == len(t) else t.subtree(np.sort(keep)) if n else _EMPTY_TREE
+                  for t, n, keep in zip(trees, nodes, chosen)]
         return pruned, BudgetDecision(nodes, step_s, tokens, base_s, gain,
                                       request_ids=None if request_ids is None else tuple(request_ids),
-                                      node_probs=_node_probs(pruned))
+                                      node_probs=_node_probs(pruned), node_depths=_node_depths(pruned))
 
-    def _goodput_nodes(self, trees, context, tpot_s, factors):
+    def _goodput_nodes(self, trees, context, tpot_s, factors, weights):
         b = len(trees)
         model = self.step_model
         ones = np.ones(b)
         # Candidates of the whole batch, best first by expected accepted tokens (the request's factor times the
-        # node's recalibrated path probability, at most 1); the recalibration is non-decreasing and one factor
-        # scales a whole tree, so a tree keeps prune_tree's order.
+        # node's recalibrated path probability, at most 1). Values never rank a child above its parent and one factor
+        # scales a whole tree, so every prefix of this order holds whole trees (ties: parents first).
         sizes = np.array([len(t) for t in trees], dtype=np.int64)
         owner = np.repeat(np.arange(b), sizes)
-        probs = np.minimum(factors[owner] * self.recalibration(_node_probs(trees)), 1.0)
-        index = np.arange(owner.shape[0]) - np.repeat(np.cumsum(sizes) - sizes, sizes)
-        order = np.lexsort((index, owner, -probs))
-        owner, probs = owner[order], probs[order]
-        k_max = owner.shape[0]
-
-        # Predicted step time after adding the first k candidates, k = 0..k_max, without re-running the model:
-        # linear and LM-head terms depend on the total token count only; attention changes one request at a time.
+        starts = np.cumsum(sizes) - sizes
+        parents = np.concatenate([t.parents for t in trees] + [np.empty(0, np.int32)]).astype(np.int64)
+        parents = np.where(parents >= 0, parents + starts[owner], -1)
+        values = self.recalibration.tree_values(_node_probs(trees), _node_depths(trees), parents)
+        probs = np.minimum(factors[owner] * values, 1.0)
+        index = np.arange(owner.shape[0]) - starts[owner]
+        value = weights[owner] * probs  # what a node is worth to the objective; `probs` stay the predictions
+        order = np.lexsort((index, owner, -value))
+        owner, probs, value, index = owner[order], probs[order], value[order], index[order]
         rank_in_owner = _cumcount(owner)
+
+        # Drafting is part of this step's time (already spent, also for k = 0), so it stays in the denominator;
+        # `gain` compares the result with plain decoding that drafts nothing, which steers the next steps' drafting.
+        draft_s = self.draft_s_per_request * b
+        expected = weights.sum() + np.concatenate([[0.0], np.cumsum(value)])
+        model_s = self._prefix_seconds(owner, rank_in_owner, context)
+        step_s = self._corrected(model_s)
+        goodput = self._within_tpot(expected / (step_s + draft_s), expected, step_s, draft_s, tpot_s)
+        k = int(np.argmax(goodput))  # first maximum: the fewest nodes that reach the best goodput
+        keep = np.arange(k)  # positions in `order` of the chosen nodes
+        best = goodput[k]
+        if model.attention_layout == "grouped" and b > 1 and k > 0:
+            # The prefix curve prices each request's attention alone (packed). The engine pads every request of an
+            # SDPA call to the call's deepest tree, so a few deep trees in a batch of shallow ones cost more than
+            # that (grounded set, cap 32, CPU: 48 nodes on 4 requests cost as much as 128 spread evenly). So the
+            # best prefix is compared, at the engine's own grouping, with orders that cap every request at L nodes
+            # (L = 1, 2, 4, ...): each one's best prefix and the whole of it (every request's best L nodes: one
+            # shape, one call).
+            best = self._grouped_goodput(keep, owner, expected[k], context, draft_s, tpot_s)
+            for cap in (1, 2, 4, 8, 16):
+                within = np.flatnonzero(rank_in_owner < cap)
+                sub_expected = weights.sum() + np.concatenate([[0.0], np.cumsum(value[within])])
+                sub_s = self._corrected(self._prefix_seconds(owner[within], rank_in_owner[within], context))
+                sub_goodput = self._within_tpot(sub_expected / (sub_s + draft_s), sub_expected, sub_s, draft_s, tpot_s)
+                for sub_k in {int(np.argmax(sub_goodput)), within.size} - {0}:
+                    candidate = self._grouped_goodput(within[:sub_k], owner, sub_expected[sub_k], context, draft_s,
+                                                      tpot_s)
+                    if candidate > best:
+                        best, keep = candidate, within[:sub_k]
+                if cap > rank_in_owner.max(initial=0):
+                    break
+        if best < (1.0 + self.min_gain) * goodput[0]:
+            keep = np.arange(0)
+            best = goodput[0]
+        gain = float(best * step_s[0] / expected[0] - 1.0)
+        nodes = np.bincount(owner[keep], minlength=b).astype(np.int32)
+        expected_per_request = np.bincount(owner[keep], weights=probs[keep], minlength=b)
+        predicted_s = (float(model_s[keep.size]) if model.attention_layout != "grouped"
+                       else model.predict(ones + nodes, context))
+        by_owner = np.argsort(owner[keep], kind="stable")
+        chosen = np.split(index[keep][by_owner], np.cumsum(nodes)[:-1])  # per request: its chosen node indices
+        return nodes, predicted_s, ones + expected_per_request, gain, chosen
+
+    def _prefix_seconds(self, owner: np.ndarray, rank_in_owner: np.ndarray, context: np.ndarray) -> np.ndarray:
+        """Model seconds of the step after adding the first k candidates (k = 0..len(owner)), without re-running the
+        model: linear and LM-head terms depend on the total token count only; attention changes one request at a
+        time (its own rows and keys; `padded`: every request pays for the deepest tree over the longest context)."""
+        model = self.step_model
+        b = context.shape[0]
+        k_max = owner.shape[0]
         t_before = 1.0 + rank_in_owner
         total = b + np.arange(k_max + 1, dtype=np.float64)
         if model.attention_layout == "padded":
-            # every request pays for the deepest tree's rows over the longest context's keys
             rows = np.maximum.accumulate(np.concatenate([[1.0], t_before + 1]))
             keys = np.maximum.accumulate(np.concatenate([[float((context + 1).max(initial=1.0))],
                                                          context[owner] + t_before + 1]))
@@ -294,7 +360,8 @@ class BudgetController:
         else:
             attn_delta = (model.attention_seconds(t_before + 1, context[owner])
                           - model.attention_seconds(t_before, context[owner]))
-            attention = model.attention_seconds(ones, context).sum() + np.concatenate([[0.0], np.cumsum(attn_delta)])
+            attention = (model.attention_seconds(np.ones(b), context).sum()
+                         + np.concatenate([[0.0], np.cumsum(attn_delta)]))
         features = np.stack([
             np.ones(k_max + 1),
             model.linear_seconds(total),
@@ -302,26 +369,29 @@ class BudgetController:
             model.lm_head_seconds(total),
             total,
         ], axis=1)
-        model_s = features @ model.coefficients
-        # what the speculated tokens cost on top of a plain step, corrected by what such steps measured
-        step_s = (self.plain_scale * model_s[0] + self.marginal_scale * (model_s - model_s[0])
-                  + np.where(np.arange(k_max + 1) > 0, self.speculation_overhead * model_s[0], 0.0))
-        expected = b + np.concatenate([[0.0], np.cumsum(probs)])
-        # Drafting is part of this step's time (already spent, also for k = 0), so it stays in the denominator;
-        # `gain` compares the result with plain decoding that drafts nothing, which steers the next steps' drafting.
-        draft_s = self.draft_s_per_request * b
-        goodput = expected / (step_s + draft_s)
+        return features @ model.coefficients
+
+    def _corrected(self, model_s: np.ndarray) -> np.ndarray:
+        """What the speculated tokens cost on top of a plain step, corrected by what such steps measured."""
+        return (self.plain_scale * model_s[0] + self.marginal_scale * (model_s - model_s[0])
+                + np.where(np.arange(model_s.shape[0]) > 0, self.speculation_overhead * model_s[0], 0.0))
+
+    @staticmethod
+    def _within_tpot(goodput, expected, step_s, draft_s, tpot_s):
         if tpot_s is not None and np.isfinite(tpot_s).any():
             goodput = np.where(step_s <= np.nanmin(tpot_s), goodput, -np.inf)
             goodput[0] = max(goodput[0], expected[0] / (step_s[0] + draft_s))  # never refuse to decode at all
-        k = int(np.argmax(goodput))  # first maximum: the fewest nodes that reach the best goodput
-        if goodput[k] < (1.0 + self.min_gain) * goodput[0]:
-            k = 0
-        gain = float(goodput[k] * step_s[0] / expected[0] - 1.0)
-        nodes = np.bincount(owner[:k], minlength=b).astype(np.int32)
-        expected_per_request = np.bincount(owner[:k], weights=probs[:k], minlength=b)
-        predicted_s = float(model_s[k]) if model.attention_layout != "grouped" else model.predict(ones + nodes, context)
-        return nodes, predicted_s, ones + expected_per_request, gain
+        return goodput
+
+    def _grouped_goodput(self, keep, owner, expected, context, draft_s, tpot_s) -> float:
+        """Goodput of sending the candidates at positions `keep`, priced at the engine's own attention grouping."""
+        b = context.shape[0]
+        tokens = 1.0 + np.bincount(owner[keep], minlength=b)
+        plain = self.step_model.predict(np.ones(b), context)
+        seconds = self._corrected(np.array([plain, self.step_model.predict(tokens, context)]))[1]
+        if tpot_s is not None and np.isfinite(tpot_s).any() and seconds > np.nanmin(tpot_s):
+            return -np.inf
+        return expected / (seconds + draft_s)
 
 
 def _speculation_cost_line(sums: np.ndarray) -> tuple[float, float]:
@@ -337,8 +407,22 @@ def _speculation_cost_line(sums: np.ndarray) -> tuple[float, float]:
     return float(min(intercept, 1.0)), float(np.clip(slope, 0.25, 8.0))
 
 
+def _drain_weights(remaining_steps: np.ndarray) -> np.ndarray:
+    """Each request's steps left relative to the slowest's (at least 1/16): an offline batch finishes when its slowest
+    request does, so a token for a request far ahead of it buys almost nothing while the step it rides on delays
+    everyone."""
+    slowest = remaining_steps.max(initial=0.0)
+    if slowest <= 0:
+        return np.ones(remaining_steps.shape)
+    return np.clip(remaining_steps / slowest, 1 / 16, 1.0)
+
+
 def _node_probs(trees: Sequence[DraftTree]) -> np.ndarray:
     return np.concatenate([t.probs for t in trees] + [np.empty(0, np.float32)]).astype(np.float64)
+
+
+def _node_depths(trees: Sequence[DraftTree]) -> np.ndarray:
+    return np.concatenate([t.depth for t in trees] + [np.empty(0, np.int32)])
 
 
 def _cumcount(groups: np.ndarray) -> np.ndarray:

@@ -86,6 +86,7 @@ class Orchestrator:
         keep_step_records: int = 100_000,
         clock: Callable[[], float] = time.perf_counter,
         draft_timeout_s: float | None = None,
+        offline_batch: bool = False,
     ) -> None:
         self.engine = engine
         self.drafter = drafter
@@ -101,6 +102,11 @@ class Orchestrator:
         if draft_timeout_s is not None and not draft_timeout_s > 0:
             raise ValueError(f"draft_timeout_s must be > 0 (or None for no timeout); got {draft_timeout_s}")
         self.draft_timeout_s = draft_timeout_s
+        # An offline batch (vLLM's `LLM.generate`): every request is submitted up front and the job is done when the
+        # last one is. Once none wait, the batch only drains, and the budget weighs each request's tokens by its
+        # steps left relative to the slowest request's (`BudgetController.allocate`'s `remaining_steps`). A server
+        # leaves it off: more requests may arrive at any time, and each request's own latency counts.
+        self.offline_batch = offline_batch
         # With a timeout, drafting runs on one worker thread so the step can go on without it. A late draft call
         # keeps running there (its trees are dropped), and the drafter's state must not change under it: every
         # drafter update waits for it first (`_drafter_idle`), which overlaps the wait with the verify forward.
@@ -170,7 +176,8 @@ class Orchestrator:
         tpot = np.array([s.request.tpot_s if s.request.tpot_s else np.nan for s in states])
         budget_started = time.perf_counter()
         trees, decision = self.budget.allocate(trees, context, tpot_s=tpot if np.isfinite(tpot).any() else None,
-                                               request_ids=[s.request_id for s in states])
+                                               request_ids=[s.request_id for s in states],
+                                               remaining_steps=self._remaining_steps(states))
         budget_s = time.perf_counter() - budget_started
 
         verify = self.engine.verify([VerifyItem(s.request_id, t) for s, t in zip(states, trees)])
@@ -204,6 +211,14 @@ class Orchestrator:
         )
         self.records.append(record)
         return record
+
+    def _remaining_steps(self, states: list[_Running]) -> np.ndarray | None:
+        """While an offline batch drains: per request, tokens left (to max_tokens) over its tokens per step so far."""
+        if not self.offline_batch or self.waiting:
+            return None
+        left = np.array([s.request.max_tokens - len(s.output) for s in states], dtype=np.float64)
+        per_step = np.array([max(s.stats.tokens_per_step, 1.0) for s in states])
+        return left / per_step
 
     def run_until_idle(self, *, max_steps: int | None = None) -> None:
         steps = 0

@@ -1,27 +1,43 @@
 """Online recalibration of draft-node probabilities from what verification realized.
 
 The drafter's calibration (`drafter/calibration.py`) maps its scores to path-acceptance probabilities on offline
-trajectories. Served traffic drifts from those, and not uniformly: on HumanEval at cap 4, nodes calibrated at
-0.6-0.7 were accepted 49% of the time while those at 0.1-0.3 were on target. The goodput allocation draws most of
-its nodes from the high end, so one realized/predicted ratio over the chosen nodes (0.7-0.8 there) also shrinks
-the low-probability nodes at the margin, which decide how far speculation goes, and the controller sent 1.6
-nodes per request where 4 paid.
+trajectories. Served traffic drifts from those, and not uniformly:
+- by probability: on HumanEval at cap 4, nodes calibrated at 0.6-0.7 were accepted 49% of the time while those at
+  0.1-0.3 were on target. One realized/predicted ratio over the chosen nodes (0.7-0.8 there) also shrinks the
+  low-probability nodes at the margin, which decide how far speculation goes;
+- by depth: a path probability multiplies its edges' calibrated probabilities as if they were independent, and the
+  errors compound along the path. On MT-Bench at cap 4, nodes calibrated near 0.4 were accepted 36% of the time at
+  depth 1 and 24% at depths 5-7. One map for every depth under-valued the shallow nodes (the wide trees that
+  `fixed:4` sends and that paid there) and over-valued the deep chains the controller sent instead.
 
-So nodes are binned by calibrated probability. Each bin keeps exponentially decayed sums of predicted and realized
-acceptance, on top of a prior of `prior_nodes` nodes that trusts the calibration; the map interpolates the bins'
-corrected rates between their centres. Those rates are made non-decreasing by pooling adjacent violators weighted by
-each bin's evidence (an over-confident bin with hundreds of nodes is not lifted to its empty neighbour's prior), so
-a tree whose probabilities never increase along a path keeps that order (and `prune_tree`'s prefixes stay trees).
-Steps that verify nothing still decay the sums: without evidence the map drifts back to the calibration.
+So nodes are binned by calibrated probability within a depth bucket (1, 2, 3, 4-5, 6+). Each cell keeps exponentially
+decayed sums of predicted and realized acceptance. Deep buckets see few nodes per bin (at cap 4, about one per step
+over all deep bins), so a cell is not read alone: its ratio shrinks, with the weight of `prior_nodes` nodes, toward
+the product of its bin's ratio over every depth and its bucket's depth factor, which themselves start at 1 (trusting
+the calibration). A bucket's map interpolates its bins' corrected rates between their centres. Those rates are made
+non-decreasing by pooling adjacent violators weighted by each bin's evidence (an over-confident bin with hundreds of
+nodes is not lifted to its empty neighbour's prior). Buckets are not ordered against each other: on the
+prompt-grounded set, long chains copied from the prompt are accepted at their calibrated rate while depth-1 guesses
+at the same probability miss more. A deep child can thus map above its parent; `tree_values` caps every node at its
+parent's value, so that ranking a tree's nodes by value keeps each node's ancestors ahead of it (ties go to the
+lower, parents-first, index) and any prefix of the ranking is a tree.
+Steps that verify nothing still decay the sums: without evidence the maps drift back to the calibration.
 """
 
 from __future__ import annotations
 
+import numba as nb
 import numpy as np
 
 from drafter.calibration import pav
 
 _EDGES = np.array([0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0])
+DEPTH_BUCKET_STARTS = np.array([1, 2, 3, 4, 6])  # bucket i holds depths [starts[i], starts[i + 1])
+_DEPTH_PRIOR = 2.0  # pseudo-accepted tokens behind a depth factor of 1
+
+
+def depth_bucket(depths: np.ndarray) -> np.ndarray:
+    return np.clip(np.searchsorted(DEPTH_BUCKET_STARTS, depths, side="right") - 1, 0, DEPTH_BUCKET_STARTS.size - 1)
 
 
 class OnlineRecalibration:
@@ -31,44 +47,75 @@ class OnlineRecalibration:
         self.decay = decay
         self.centers = (_EDGES[:-1] + _EDGES[1:]) / 2
         self.prior_nodes = prior_nodes
-        self._prior = prior_nodes * self.centers  # pseudo-acceptances: as many realized as predicted
-        self._predicted = np.zeros(self.centers.shape[0])
-        self._realized = np.zeros(self.centers.shape[0])
-        self._nodes = np.zeros(self.centers.shape[0])
+        shape = (DEPTH_BUCKET_STARTS.size, self.centers.size)
+        self._prior = prior_nodes * self.centers  # a bin's pseudo-predictions (as many realized as predicted)
+        self._predicted = np.zeros(shape)
+        self._realized = np.zeros(shape)
+        self._nodes = np.zeros(shape)
         self._knots_x = np.concatenate([[0.0], self.centers, [1.0]])
-        self._knots_y = self._knots_x.copy()
+        self._knots_y = np.tile(self._knots_x, (shape[0], 1))
 
-    def __call__(self, probs: np.ndarray) -> np.ndarray:
-        """Expected acceptance of nodes with these calibrated path probabilities, as recently realized."""
-        return np.interp(probs, self._knots_x, self._knots_y)
+    def __call__(self, probs: np.ndarray, depths: np.ndarray) -> np.ndarray:
+        """Expected acceptance of nodes with these calibrated path probabilities and depths, as recently realized."""
+        probs = np.asarray(probs, dtype=np.float64)
+        buckets = depth_bucket(np.asarray(depths))
+        out = np.empty_like(probs)
+        for bucket in np.unique(buckets):
+            mask = buckets == bucket
+            out[mask] = np.interp(probs[mask], self._knots_x, self._knots_y[bucket])
+        return out
+
+    def tree_values(self, probs: np.ndarray, depths: np.ndarray, parents: np.ndarray) -> np.ndarray:
+        """Recalibrated values of the nodes of trees laid end to end (`parents`: global indices, -1 for a root's
+        child, every parent before its children), each capped at its parent's: a path's values never increase."""
+        values = self(probs, depths)
+        _cap_at_parents(values, np.asarray(parents, dtype=np.int64))
+        return values
 
     @property
     def ratios(self) -> np.ndarray:
-        """Realized / predicted acceptance per bin (1 where there is no evidence)."""
-        return (self._realized + self._prior) / (self._predicted + self._prior)
+        """Realized / predicted acceptance per [depth bucket, probability bin]. A cell shrinks toward its bin's ratio
+        over every depth times its bucket's depth factor (its realized over what the bins' ratios expect of it),
+        each of those toward 1: a deep bucket sees too few nodes per bin to be read alone."""
+        by_bin = (self._realized.sum(axis=0) + self._prior) / (self._predicted.sum(axis=0) + self._prior)
+        expected = self._predicted @ by_bin
+        depth_factor = (self._realized.sum(axis=1) + _DEPTH_PRIOR) / (expected + _DEPTH_PRIOR)
+        return ((self._realized + self._prior * by_bin * depth_factor[:, None])
+                / (self._predicted + self._prior))
 
     @property
     def scale(self) -> float:
-        """Realized / predicted acceptance over every bin: one number for reports."""
-        return float((self._realized.sum() + self._prior.sum()) / (self._predicted.sum() + self._prior.sum()))
+        """Realized / predicted acceptance over every bin: one number for reports (one bucket's prior)."""
+        prior = self._prior.sum()
+        return float((self._realized.sum() + prior) / (self._predicted.sum() + prior))
 
-    def observe(self, probs: np.ndarray, accepted: np.ndarray) -> None:
-        """One step's verified nodes: their calibrated probabilities and whether each was accepted (1/0)."""
+    def observe(self, probs: np.ndarray, depths: np.ndarray, accepted: np.ndarray) -> None:
+        """One step's verified nodes: their calibrated probabilities, depths, and whether each was accepted (1/0)."""
         probs = np.asarray(probs, dtype=np.float64)
+        depths = np.asarray(depths)
         accepted = np.asarray(accepted, dtype=np.float64)
-        if probs.shape != accepted.shape:
-            raise ValueError(f"probs {probs.shape} and accepted {accepted.shape} must have the same shape")
+        if not probs.shape == depths.shape == accepted.shape:
+            raise ValueError(f"probs {probs.shape}, depths {depths.shape} and accepted {accepted.shape} must have "
+                             "the same shape")
         self._predicted *= self.decay
         self._realized *= self.decay
         self._nodes *= self.decay
         if probs.size:
-            n = self.centers.shape[0]
-            bins = np.clip(np.searchsorted(_EDGES, probs, side="right") - 1, 0, n - 1)
-            self._predicted += np.bincount(bins, weights=probs, minlength=n)
-            self._realized += np.bincount(bins, weights=accepted, minlength=n)
-            self._nodes += np.bincount(bins, minlength=n)
+            n = self.centers.size
+            cells = depth_bucket(depths) * n + np.clip(np.searchsorted(_EDGES, probs, side="right") - 1, 0, n - 1)
+            size = self._nodes.size
+            self._predicted += np.bincount(cells, weights=probs, minlength=size).reshape(self._nodes.shape)
+            self._realized += np.bincount(cells, weights=accepted, minlength=size).reshape(self._nodes.shape)
+            self._nodes += np.bincount(cells, minlength=size).reshape(self._nodes.shape)
         ratios = self.ratios
-        rates = pav(np.minimum(self.centers * ratios, 1.0), self._nodes + self.prior_nodes)
-        top = float(np.clip(ratios[-1], rates[-1], 1.0))  # a calibrated 1.0 scaled by the top bin's ratio
-        self._knots_y = np.concatenate([[0.0], rates, [top]])
+        for bucket in range(ratios.shape[0]):
+            rates = pav(np.minimum(self.centers * ratios[bucket], 1.0), self._nodes[bucket] + self.prior_nodes)
+            top = float(np.clip(ratios[bucket, -1], rates[-1], 1.0))  # a calibrated 1.0 scaled by the top bin's ratio
+            self._knots_y[bucket] = np.concatenate([[0.0], rates, [top]])
 
+
+@nb.njit(cache=True)
+def _cap_at_parents(values: np.ndarray, parents: np.ndarray) -> None:
+    for i in range(values.shape[0]):
+        if parents[i] >= 0 and values[parents[i]] < values[i]:
+            values[i] = values[parents[i]]

@@ -147,11 +147,12 @@ def test_realized_acceptance_below_prediction_shrinks_the_budget():
         _, decision = controller.allocate(trees, context)
         controller.observe(decision, accepted=rng.random(decision.node_probs.shape) < 0.3 * decision.node_probs,
                            draft_s=0.0, cap=32)
-    _, later = controller.allocate(trees, context)
+    sent, later = controller.allocate(trees, context)
     assert controller.acceptance_scale == pytest.approx(0.3, abs=0.05)
     assert 0 < later.nodes.sum() < first.nodes.sum()
-    # predictions are the recalibrated probabilities of the nodes sent
-    assert later.predicted_tokens.sum() - 16 == pytest.approx(controller.recalibration(later.node_probs).sum())
+    # predictions are the recalibrated values of the nodes sent
+    values = [controller.recalibration.tree_values(t.probs, t.depth, t.parents).sum() for t in sent]
+    assert later.predicted_tokens.sum() - 16 == pytest.approx(sum(values))
     with pytest.raises(ValueError, match="accepted has 3 entries"):
         controller.observe(later, accepted=np.ones(3), draft_s=0.0, cap=32)
 
@@ -160,45 +161,100 @@ def test_recalibration_corrects_each_probability_band_on_its_own():
     # Over-confident high-probability nodes (0.65 accepted 45% of the time) must not drag down well-calibrated
     # low-probability ones: those decide how many nodes are worth sending.
     recalibration = OnlineRecalibration()
-    assert recalibration(np.array([0.0, 0.15, 0.65, 1.0])) == pytest.approx([0.0, 0.15, 0.65, 1.0])  # no evidence
+    depth1 = lambda probs: recalibration(probs, np.ones(len(probs), np.int32))  # noqa: E731
+    assert depth1(np.array([0.0, 0.15, 0.65, 1.0])) == pytest.approx([0.0, 0.15, 0.65, 1.0])  # no evidence
     rng = np.random.default_rng(0)
     for _ in range(200):
         probs = np.concatenate([np.full(20, 0.65), np.full(20, 0.15)])
         accepted = rng.random(40) < np.where(probs > 0.5, 0.45, 0.15)
-        recalibration.observe(probs, accepted)
-    high, low = recalibration(np.array([0.65, 0.15]))
+        recalibration.observe(probs, np.ones(40, np.int32), accepted)
+    high, low = depth1(np.array([0.65, 0.15]))
     assert high == pytest.approx(0.45, abs=0.05)
     assert low == pytest.approx(0.15, abs=0.03)
     grid = np.linspace(0, 1, 101)
-    assert np.all(np.diff(recalibration(grid)) >= 0) and recalibration(grid).max() <= 1.0
+    assert np.all(np.diff(depth1(grid)) >= 0) and depth1(grid).max() <= 1.0
     for _ in range(300):  # steps that verify nothing: back to trusting the calibration
-        recalibration.observe(np.zeros(0), np.zeros(0))
-    assert recalibration(np.array([0.65])) == pytest.approx([0.65], abs=0.01)
+        recalibration.observe(np.zeros(0), np.zeros(0, np.int32), np.zeros(0))
+    assert depth1(np.array([0.65])) == pytest.approx([0.65], abs=0.01)
     with pytest.raises(ValueError, match="same shape"):
-        recalibration.observe(np.ones(2), np.ones(3))
+        recalibration.observe(np.ones(2), np.ones(2, np.int32), np.ones(3))
     with pytest.raises(ValueError, match="decay"):
         OnlineRecalibration(decay=0.0)
 
 
-@settings(max_examples=50, deadline=None)
-@given(st.lists(st.tuples(st.floats(0.0, 1.0), st.booleans()), min_size=0, max_size=200),
-       st.lists(st.floats(0.0, 1.0), min_size=2, max_size=40))
-def test_recalibrated_trees_stay_trees(observations, probs):
-    # The map is non-decreasing whatever it has seen, so prune_tree's prefix of a recalibrated tree keeps every
-    # chosen node's ancestors.
+def test_recalibration_discounts_deep_nodes_without_discounting_shallow_ones():
+    # MT-Bench at cap 4: nodes calibrated near 0.4 were accepted 36% of the time at depth 1 and 24% at depths 5-7.
     recalibration = OnlineRecalibration()
-    for p, ok in observations:
-        recalibration.observe(np.array([p]), np.array([float(ok)]))
-    grid = np.sort(np.array(probs))
-    mapped = recalibration(grid)
-    assert np.all(np.diff(mapped) >= 0) and np.all((mapped >= 0) & (mapped <= 1))
-    model = h100_model()
-    controller = BudgetController(BudgetPolicy.parse("goodput"), model)
+    rng = np.random.default_rng(0)
+    depths = np.repeat([1, 6], 20)
+    for _ in range(200):
+        probs = rng.uniform(0.25, 0.55, 40)
+        recalibration.observe(probs, depths, rng.random(40) < np.where(depths == 1, probs, probs / 2))
+    shallow, deep = recalibration(np.array([0.4, 0.4]), np.array([1, 6]))
+    assert shallow == pytest.approx(0.4, abs=0.04)
+    assert deep == pytest.approx(0.2, abs=0.04)
+    # A controller that learned this sends a shallow sibling branch of lower calibrated probability before the
+    # deep end of a chain, and the chosen nodes are still a tree.
+    controller = BudgetController(BudgetPolicy.parse("goodput"), h100_model())
     controller.recalibration = recalibration
-    tree = DraftTree.chain(np.arange(len(probs)), probs=np.cumprod(np.sort(probs)[::-1]))
+    tree = DraftTree.from_arrays(tokens=np.arange(8), parents=np.array([-1, 0, 1, 2, 3, 4, -1, 6]),
+                                 probs=np.array([0.95, 0.9, 0.85, 0.8, 0.6, 0.45, 0.38, 0.35]))
+    assert tree.depth[5] == 6 and tree.depth[7] == 2
+    values = recalibration.tree_values(tree.probs, tree.depth, tree.parents)
+    assert values[7] > values[5]
     pruned, decision = controller.allocate([tree], np.array([512.0]))
-    n = int(decision.nodes[0])
-    assert np.array_equal(pruned[0].tokens, tree.tokens[:n])
+    assert decision.predicted_tokens[0] - 1 == pytest.approx(values[pruned[0].tokens].sum())
+    kept = set(pruned[0].tokens.tolist())
+    assert all(v <= min(values[sorted(kept)]) + 1e-12 for i, v in enumerate(values) if i not in kept)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 1.0), st.integers(1, 12), st.booleans()), min_size=0, max_size=200),
+       st.lists(st.tuples(st.integers(0, 1000), st.floats(0.0, 1.0)), min_size=2, max_size=40))
+def test_recalibrated_trees_stay_trees(observations, nodes):
+    # Whatever the recalibration has seen, each depth's map is non-decreasing and a node's value never exceeds its
+    # parent's, so the goodput allocation's chosen nodes always include their ancestors.
+    recalibration = OnlineRecalibration()
+    for p, depth, ok in observations:
+        recalibration.observe(np.array([p]), np.array([depth]), np.array([float(ok)]))
+    grid = np.linspace(0, 1, 101)
+    for depth in range(1, 10):
+        mapped = recalibration(grid, np.full(grid.size, depth))
+        assert np.all(np.diff(mapped) >= 0) and np.all((mapped >= 0) & (mapped <= 1))
+    # a random tree: node i hangs under an earlier node (or the root); its probability is its parent's times a factor
+    parents = np.array([-1] + [seed % (i + 1) - 1 for i, (seed, _) in enumerate(nodes[1:])])
+    probs = np.empty(len(nodes))
+    for i, (_, factor) in enumerate(nodes):
+        probs[i] = factor * (probs[parents[i]] if parents[i] >= 0 else 1.0)
+    tree = DraftTree.from_arrays(tokens=np.arange(len(nodes)), parents=parents, probs=probs)
+    values = recalibration.tree_values(tree.probs, tree.depth, tree.parents)
+    child = parents >= 0
+    assert np.all(values[child] <= values[parents[child]])
+    assert np.all(values <= recalibration(tree.probs, tree.depth))
+    controller = BudgetController(BudgetPolicy.parse("goodput"), h100_model())
+    controller.recalibration = recalibration
+    pruned, decision = controller.allocate([tree], np.array([512.0]))  # subtree() checks the kept nodes' parents
+    kept = pruned[0].tokens
+    assert len(kept) == decision.nodes[0]
+    assert decision.predicted_tokens[0] - 1 == pytest.approx(values[kept].sum())
+    assert values[kept].min(initial=1.0) >= np.delete(values, kept).max(initial=0.0)  # the best nodes are kept
+
+
+def test_a_draining_offline_batch_speculates_for_its_slowest_request():
+    # The batch is done when its slowest request is: nodes for a request that will finish long before it only make
+    # the shared steps slower.
+    model = StepTimeModel(LLAMA_8B, KNOWN_HARDWARE["H100-SXM"])
+    controller = BudgetController(BudgetPolicy.parse("goodput"), model)
+    trees, context = chain_trees(8, 0.8), np.full(8, 1024)
+    _, even = controller.allocate(trees, context)
+    assert len(set(even.nodes.tolist())) == 1  # identical requests, identical trees: identical shares
+    remaining = np.array([200.0, 10, 10, 10, 10, 10, 10, 10])
+    _, draining = controller.allocate(trees, context, remaining_steps=remaining)
+    assert draining.nodes[0] >= even.nodes[0] and np.all(draining.nodes[1:] < draining.nodes[0])
+    # predictions stay the nodes' own expected acceptance, whatever weight chose them
+    assert draining.predicted_tokens[0] - 1 == pytest.approx(trees[0].probs[:draining.nodes[0]].sum())
+    _, level = controller.allocate(trees, context, remaining_steps=np.full(8, 50.0))
+    assert np.array_equal(level.nodes, even.nodes)
 
 
 def test_drafting_that_costs_more_than_it_returns_backs_off_and_probes_again():

@@ -212,7 +212,9 @@ def simulate(deployment: Deployment, workload: Workload, policy: str, drafter, *
                              num_blocks=deployment.kv_blocks, prefill_model=deployment.step_model(prefill=True))
     controller_model = _start_up_model(deployment, controller_coefficients)
     controller = BudgetController(BudgetPolicy.parse(policy, max_nodes_per_request=max_nodes), controller_model)
-    orchestrator = Orchestrator(engine, drafter, controller, max_running=workload.concurrency, clock=clock)
+    # every request arriving at t=0 is an offline batch, served as the throughput benchmark serves one
+    orchestrator = Orchestrator(engine, drafter, controller, max_running=workload.concurrency, clock=clock,
+                                offline_batch=not any(workload.arrivals_s))
 
     timelines: dict[str, _Timeline] = {}
 
