@@ -28,8 +28,8 @@ Closed loop (`observe`, called by the orchestrator after every step):
   ones too, and one map for every depth would let the deep chains' compounding error shrink the shallow nodes;
 - drafting cost: drafting runs on the same clock as verification (CPU here; SPIN-style overlap on GPUs hides it),
   so its measured seconds count in the goodput denominator. A step speculates only when the predicted goodput beats
-  plain decoding by `min_gain` (the step-time model's own error is several percent: smaller predicted gains are
-  noise). Each drafted step's predicted gain over plain decoding without drafting (negative when nothing is sent:
+  plain decoding by `min_gain` (2%: the corrections below take out the step-time model's bias, not its noise; at
+  5%, MT-Bench at cap 4 decoded plainly on 45% of its steps while `fixed:4`, always speculating, was faster). Each drafted step's predicted gain over plain decoding without drafting (negative when nothing is sent:
   the drafting was wasted) enters a moving average; while it is negative, `draft_cap` returns 0 for a growing
   number of steps (2, 4, ... 32) and then probes again, so a saturated batch stops paying for drafts it will not
   send, while a lone request whose drafts pay on average keeps drafting through its unlucky steps;
@@ -70,6 +70,7 @@ import numpy as np
 from drafter.tree import DraftTree
 from orchestrator.recalibration import OnlineRecalibration
 from orchestrator.roofline import StepTimeModel
+from trt_engines.attention_groups import MAX_GROUPS
 
 _SSSD_KNEES = (16, 32, 48, 64, 96, 128, 160, 192)
 _SSSD_SPEC_LENGTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32)
@@ -126,8 +127,22 @@ def prune_tree(tree: DraftTree, n: int) -> DraftTree:
     return tree.subtree(np.sort(np.argsort(-tree.probs, kind="stable")[:n]))
 
 
+def _keep_nodes(tree: DraftTree, keep: np.ndarray) -> DraftTree:
+    """The nodes `keep` (closed under ancestors, any order) of `tree`."""
+    n = keep.size
+    if n == len(tree):
+        return tree
+    if n == 0:
+        return _EMPTY_TREE
+    keep = np.sort(keep)
+    if keep[-1] == n - 1:  # the first n nodes (the usual case): a prefix of a parents-first tree is a tree
+        return DraftTree(tokens=tree.tokens[:n], parents=tree.parents[:n], probs=tree.probs[:n], depth=tree.depth[:n],
+                         source=tree.source[:n])
+    return tree.subtree(keep)
+
+
 class BudgetController:
-    def __init__(self, policy: BudgetPolicy, step_model: StepTimeModel, *, min_gain: float = 0.05,
+    def __init__(self, policy: BudgetPolicy, step_model: StepTimeModel, *, min_gain: float = 0.02,
                  ema: float = 0.1, per_request_acceptance: bool = False, prior_tokens: float = 4.0) -> None:
         self.policy = policy
         self.step_model = step_model
@@ -275,8 +290,7 @@ class BudgetController:
         factors = self.request_factors(request_ids, b)
         weights = np.ones(b) if remaining_steps is None else _drain_weights(np.asarray(remaining_steps, np.float64))
         nodes, step_s, tokens, gain, chosen = self._goodput_nodes(trees, context, tpot_s, factors, weights)
-        pruned = [t if n == len(t) else t.subtree(np.sort(keep)) if n else _EMPTY_TREE
-                  for t, n, keep in zip(trees, nodes, chosen)]
+        pruned = [_keep_nodes(t, keep) for t, keep in zip(trees, chosen)]
         return pruned, BudgetDecision(nodes, step_s, tokens, base_s, gain,
                                       request_ids=None if request_ids is None else tuple(request_ids),
                                       node_probs=_node_probs(pruned), node_depths=_node_depths(pruned))
@@ -311,22 +325,23 @@ class BudgetController:
         k = int(np.argmax(goodput))  # first maximum: the fewest nodes that reach the best goodput
         keep = np.arange(k)  # positions in `order` of the chosen nodes
         best = goodput[k]
-        if model.attention_layout == "grouped" and b > 1 and k > 0:
+        if model.attention_layout == "grouped" and b > MAX_GROUPS and k > 0:
             # The prefix curve prices each request's attention alone (packed). The engine pads every request of an
             # SDPA call to the call's deepest tree, so a few deep trees in a batch of shallow ones cost more than
             # that (grounded set, cap 32, CPU: 48 nodes on 4 requests cost as much as 128 spread evenly). So the
             # best prefix is compared, at the engine's own grouping, with orders that cap every request at L nodes
-            # (L = 1, 2, 4, ...): each one's best prefix and the whole of it (every request's best L nodes: one
-            # shape, one call).
-            best = self._grouped_goodput(keep, owner, expected[k], context, draft_s, tpot_s)
-            for cap in (1, 2, 4, 8, 16):
+            # (L = 1, 2, 4, 8): each one's best prefix and the whole of it (every request's best L nodes: one
+            # shape, one call). With at most MAX_GROUPS requests every request can have a call of its own.
+            plain_s = model.predict(ones, context)
+            best = self._grouped_goodput(keep, owner, expected[k], context, draft_s, tpot_s, plain_s)
+            for cap in (1, 2, 4, 8):
                 within = np.flatnonzero(rank_in_owner < cap)
                 sub_expected = weights.sum() + np.concatenate([[0.0], np.cumsum(value[within])])
                 sub_s = self._corrected(self._prefix_seconds(owner[within], rank_in_owner[within], context))
                 sub_goodput = self._within_tpot(sub_expected / (sub_s + draft_s), sub_expected, sub_s, draft_s, tpot_s)
                 for sub_k in {int(np.argmax(sub_goodput)), within.size} - {0}:
                     candidate = self._grouped_goodput(within[:sub_k], owner, sub_expected[sub_k], context, draft_s,
-                                                      tpot_s)
+                                                      tpot_s, plain_s)
                     if candidate > best:
                         best, keep = candidate, within[:sub_k]
                 if cap > rank_in_owner.max(initial=0):
@@ -383,12 +398,10 @@ class BudgetController:
             goodput[0] = max(goodput[0], expected[0] / (step_s[0] + draft_s))  # never refuse to decode at all
         return goodput
 
-    def _grouped_goodput(self, keep, owner, expected, context, draft_s, tpot_s) -> float:
+    def _grouped_goodput(self, keep, owner, expected, context, draft_s, tpot_s, plain_s) -> float:
         """Goodput of sending the candidates at positions `keep`, priced at the engine's own attention grouping."""
-        b = context.shape[0]
-        tokens = 1.0 + np.bincount(owner[keep], minlength=b)
-        plain = self.step_model.predict(np.ones(b), context)
-        seconds = self._corrected(np.array([plain, self.step_model.predict(tokens, context)]))[1]
+        tokens = 1.0 + np.bincount(owner[keep], minlength=context.shape[0])
+        seconds = self._corrected(np.array([plain_s, self.step_model.predict(tokens, context)]))[1]
         if tpot_s is not None and np.isfinite(tpot_s).any() and seconds > np.nanmin(tpot_s):
             return -np.inf
         return expected / (seconds + draft_s)
