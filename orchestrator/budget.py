@@ -22,15 +22,16 @@ Closed loop (`observe`, called by the orchestrator after every step):
 - acceptance: served traffic drifts from the offline calibration, and picking the highest-scored nodes of many
   trees selects the ones whose scores are most over-estimated (the winner's curse). Every verified node's outcome
   feeds an online recalibration by depth and probability bin (`orchestrator/recalibration.py`), and the allocation
-  ranks, chooses and counts nodes by their recalibrated probability (a deep node may now rank below a shallower
+  ranks, chooses and counts nodes by their recalibrated probability (a deep node can rank below a shallower
   sibling branch of lower calibrated probability: the chosen nodes are not always `prune_tree`'s). One realized /
   predicted ratio over all chosen nodes would let the over-estimated high-probability nodes shrink the marginal
   ones too, and one map for every depth would let the deep chains' compounding error shrink the shallow nodes;
 - drafting cost: drafting runs on the same clock as verification (CPU here; SPIN-style overlap on GPUs hides it),
   so its measured seconds count in the goodput denominator. A step speculates only when the predicted goodput beats
   plain decoding by `min_gain` (2%: the corrections below take out the step-time model's bias, not its noise; at
-  5%, MT-Bench at cap 4 decoded plainly on 45% of its steps while `fixed:4`, always speculating, was faster). Each drafted step's predicted gain over plain decoding without drafting (negative when nothing is sent:
-  the drafting was wasted) enters a moving average; while it is negative, `draft_cap` returns 0 for a growing
+  5%, MT-Bench at cap 4 decoded plainly on 45% of its steps while `fixed:4`, always speculating, was faster). Each
+  drafted step's predicted gain over plain decoding without drafting (negative when nothing is sent: the drafting
+  was wasted) enters a moving average; while it is negative, `draft_cap` returns 0 for a growing
   number of steps (2, 4, ... 32) and then probes again, so a saturated batch stops paying for drafts it will not
   send, while a lone request whose drafts pay on average keeps drafting through its unlucky steps;
 - drafting cap: the next step drafts at most twice the largest tree the controller just chose (at least 8), so large
@@ -328,7 +329,8 @@ class BudgetController:
         if model.attention_layout == "grouped" and b > MAX_GROUPS and k > 0:
             # The prefix curve prices each request's attention alone (packed). The engine pads every request of an
             # SDPA call to the call's deepest tree, so a few deep trees in a batch of shallow ones cost more than
-            # that (grounded set, cap 32, CPU: 48 nodes on 4 requests cost as much as 128 spread evenly). So the
+            # that (the step-time model fitted on the CPU's grounded-set steps at cap 32 prices 48 nodes on 6 of 32
+            # requests at 76% of the extra time of 128 nodes spread evenly; priced packed, 53%). So the
             # best prefix is compared, at the engine's own grouping, with orders that cap every request at L nodes
             # (L = 1, 2, 4, 8): each one's best prefix and the whole of it (every request's best L nodes: one
             # shape, one call). With at most MAX_GROUPS requests every request can have a call of its own.

@@ -349,6 +349,27 @@ def test_goodput_predicts_the_step_it_chooses(layout):
         assert decision.predicted_step_s == pytest.approx(model.predict(1.0 + decision.nodes, context), rel=1e-9)
 
 
+def test_on_a_grouped_engine_goodput_weighs_the_padding_its_choice_costs():
+    # Where attention dominates (the CPU at long contexts), a few deep trees among shallow ones pad the SDPA calls
+    # they share. Priced at the engine's grouping, the choice is never worse than the greedy per-request pricing's.
+    cpu = HardwareSpec("cpu", {"bfloat16": 3e11}, mem_bandwidth=2e10)  # attention is compute-bound: rows cost
+    coefficients = np.array([0.002, 0.2, 20.0, 0.2, 0.0])
+    grouped = StepTimeModel(LLAMA_8B, cpu, coefficients=coefficients, attention_layout="grouped")
+    packed = StepTimeModel(LLAMA_8B, cpu, coefficients=coefficients, attention_layout="packed")
+    rng = np.random.default_rng(0)
+    differed = 0
+    for _ in range(20):
+        batch = int(rng.integers(5, 13))
+        trees = [DraftTree.chain(np.arange(24), probs=rng.uniform(0.5, 0.97) ** np.arange(1, 25)) for _ in range(batch)]
+        context = rng.integers(1024, 8192, batch).astype(float)
+        _, chosen = BudgetController(BudgetPolicy.parse("goodput"), grouped).allocate(trees, context)
+        _, greedy = BudgetController(BudgetPolicy.parse("goodput"), packed).allocate(trees, context)
+        goodput = [d.predicted_tokens.sum() / grouped.predict(1.0 + d.nodes, context) for d in (chosen, greedy)]
+        assert goodput[0] >= goodput[1] * (1 - 1e-9)
+        differed += not np.array_equal(chosen.nodes, greedy.nodes)
+    assert differed > 0
+
+
 def test_per_request_acceptance_favours_the_request_whose_drafts_land():
     model = h100_model()
     controller = BudgetController(BudgetPolicy.parse("goodput"), model, per_request_acceptance=True)

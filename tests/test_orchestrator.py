@@ -117,7 +117,8 @@ def test_an_offline_batch_drains_losslessly(engine, datastore, prompt_ids, refer
     orchestrator = make_orchestrator(engine, datastore, "goodput", max_running=3, offline_batch=True)
     free_before = engine.free_blocks()
     lengths = [24 if i % 2 else 9 for i in range(len(prompt_ids))]
-    results = run_all(orchestrator, [GenerationRequest(prompt_ids=p, max_tokens=n) for p, n in zip(prompt_ids, lengths)])
+    requests = [GenerationRequest(prompt_ids=p, max_tokens=n) for p, n in zip(prompt_ids, lengths)]
+    results = run_all(orchestrator, requests)
     assert [r["tokens"] for r in results.values()] == [ref[:n] for ref, n in zip(reference, lengths)]
     assert engine.free_blocks() == free_before
     assert sum(r["stats"].accepted for r in results.values()) > 0
