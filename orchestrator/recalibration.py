@@ -85,7 +85,8 @@ class OnlineRecalibration:
 
     @property
     def scale(self) -> float:
-        """Realized / predicted acceptance over every bin: one number for reports (one bucket's prior)."""
+        """Realized / predicted acceptance over every cell, with one prior per probability bin: one number for
+        reports."""
         prior = self._prior.sum()
         return float((self._realized.sum() + prior) / (self._predicted.sum() + prior))
 
