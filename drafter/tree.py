@@ -83,6 +83,11 @@ class DraftTree:
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
+    def prefix(self, n: int) -> "DraftTree":
+        """The first `n` nodes: in a parents-first tree a prefix is itself a tree (no remapping, no checks)."""
+        return DraftTree(tokens=self.tokens[:n], parents=self.parents[:n], probs=self.probs[:n], depth=self.depth[:n],
+                         source=self.source[:n])
+
     def subtree(self, keep: np.ndarray) -> "DraftTree":
         """The nodes `keep` (increasing indices, closed under ancestors), re-indexed parents-first. Depths carry
         over, so no per-node pass is needed (the budget controller prunes every request's tree every step)."""

@@ -120,10 +120,8 @@ def prune_tree(tree: DraftTree, n: int) -> DraftTree:
     if n <= 0:
         return _EMPTY_TREE
     if tree.probs[:n].min() >= tree.probs[n:].max():
-        # the drafter's usual order (most probable first): the first n nodes are the n best, ties to the lower index,
-        # and a prefix of a parents-first tree is itself a tree
-        return DraftTree(tokens=tree.tokens[:n], parents=tree.parents[:n], probs=tree.probs[:n], depth=tree.depth[:n],
-                         source=tree.source[:n])
+        # the drafter's usual order (most probable first): the first n nodes are the n best, ties to the lower index
+        return tree.prefix(n)
     # stable argsort of -probs: ties keep the lower index, so every kept node's ancestors are kept too
     return tree.subtree(np.sort(np.argsort(-tree.probs, kind="stable")[:n]))
 
@@ -136,10 +134,7 @@ def _keep_nodes(tree: DraftTree, keep: np.ndarray) -> DraftTree:
     if n == 0:
         return _EMPTY_TREE
     keep = np.sort(keep)
-    if keep[-1] == n - 1:  # the first n nodes (the usual case): a prefix of a parents-first tree is a tree
-        return DraftTree(tokens=tree.tokens[:n], parents=tree.parents[:n], probs=tree.probs[:n], depth=tree.depth[:n],
-                         source=tree.source[:n])
-    return tree.subtree(keep)
+    return tree.prefix(n) if keep[-1] == n - 1 else tree.subtree(keep)  # the first n nodes: the usual case
 
 
 class BudgetController:
