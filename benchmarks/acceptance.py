@@ -53,6 +53,7 @@ class BestPathDrafter:
     def __init__(self, inner: Drafter) -> None:
         self.inner = inner
         self.start_request, self.extend, self.stop_request = inner.start_request, inner.extend, inner.stop_request
+        self.clear_history = inner.clear_history
 
     def draft(self, batch) -> list[DraftTree]:
         return [tree.best_path() for tree in self.inner.draft(batch)]
@@ -61,7 +62,7 @@ class BestPathDrafter:
 def method_factories(datastore: Datastore, aded_index: Path, methods: list[str]) -> dict[str, Callable[[], object]]:
     """A fresh drafter per (set, budget) run: `draftretriever`'s Reader adapts its counts to every context it
     searches (ADED's design), so reusing one across runs would let it memorise the very trajectories it is scored
-    on. Within a run it still learns from the set's earlier prompts, which our drafter does not."""
+    on. Within a run it still learns from the set's earlier prompts, as our drafter's output history does."""
     if "aded" in methods and not aded_index.is_file():
         started = time.perf_counter()
         AdedDrafter.build_index(str(aded_index), datastore.documents(), datastore.vocab_size)

@@ -106,10 +106,13 @@ def serve_side_by_side(engine, drafter, step_model, policies: list[str], prompts
 
     Interleaving at step granularity (tens of ms) makes a burst of background load on this shared machine hit every
     policy alike; whole runs one after the other differed by up to 20% on noise alone (a policy that sends zero
-    nodes measured 0.82x `none`). Engine, drafter and step-time model are shared; request ids are per policy.
+    nodes measured 0.82x `none`). Engine and step-time model are shared; request ids are per policy. Each policy
+    drafts with its own `drafter.fresh()`: an output history shared between policies would let one draft a prompt
+    from another's output for the same prompt.
     `lengths` (per prompt) fixes every request's output length, EOS ignored; otherwise up to `max_tokens` or EOS.
     """
-    runs = {p: _PolicyRun(engine, drafter, step_model, p, prompts, cap=cap, max_tokens=max_tokens, lengths=lengths)
+    runs = {p: _PolicyRun(engine, drafter.fresh(), step_model, p, prompts, cap=cap, max_tokens=max_tokens,
+                          lengths=lengths)
             for p in policies}
     while True:
         busy = [r for r in runs.values() if not r.orchestrator.idle]

@@ -3,9 +3,13 @@
 Vocabulary
     request       one generation stream; the drafter indexes its prompt and every accepted token
                   (`start_request`, `extend`, `stop_request`).
+    history       the outputs of this drafter's finished requests (SuffixDecoding's global tree), newest
+                  `history_tokens` tokens; drafted as its own source (id `history_source`). `clear_history()`
+                  forgets them: do it between benchmark runs that serve the same prompts again.
     budget        the number of tree nodes (root excluded) the caller allows for one request this step; 0 means
                   "do not speculate" and yields an empty tree.
-    sources       "fused" (input index + every datastore, one tree), "input" or "datastore" only.
+    sources       "fused" (input index + output history + every datastore, one tree), "input" (input index +
+                  output history) or "datastore" only.
     DraftResult   the tree plus what calibration needs per node: raw fusion score and matched suffix length
                   (`source` and `depth` are in the tree).
 
@@ -48,13 +52,14 @@ class DrafterConfig:
     input_depth: int = 24  # L: continuation depth from the input index
     input_max_tokens: int = 16384  # per-request memory cap of the input index (oldest tokens dropped beyond)
     input_scale: float = 1.0  # input score at depth 1 = input_scale * c(child) / c(node)
-    delta_base: float = 0.7  # deeper input levels are damped by delta(m) = delta_base + delta_step * m
+    delta_base: float = 0.6  # deeper input levels are damped by delta(m) = delta_base + delta_step * m
     delta_step: float = 0.1
     datastore_samples: int = 100  # K: continuations sampled per lookup
     backoff_threshold: int = 50  # keep shortening the prefix while the merged trie has fewer continuations
     datastore_branch_len: int | None = None  # None: SSSD schedule by budget (sssd_branch_length)
     fanout: int = 5  # max children per tree node (also capped by the budget)
     max_budget: int = 64
+    history_tokens: int = 32768  # output history of finished requests (0 = none); not used with sources="datastore"
 
     def __post_init__(self):
         if self.sources not in SOURCES:
@@ -62,6 +67,9 @@ class DrafterConfig:
         for name in ("query_len", "input_depth", "datastore_samples", "fanout", "max_budget"):
             if getattr(self, name) < 1:
                 raise ValueError(f"DrafterConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.history_tokens < 0:
+            raise ValueError(f"DrafterConfig.history_tokens must be >= 0 (0 = no output history), got "
+                             f"{self.history_tokens}")
         if self.datastore_branch_len is not None and self.datastore_branch_len < 1:
             raise ValueError("DrafterConfig.datastore_branch_len must be >= 1 or None (SSSD schedule)")
         if not (0 < self.input_scale <= 1 and self.delta_base > 0 and self.delta_step >= 0):
@@ -95,9 +103,12 @@ class Drafter:
             path = getattr(self.datastores[0], "path", None) if self.datastores else None
             calibration = CalibrationMap.for_datastore(path) if path is not None else CalibrationMap.identity()
         self.calibration = calibration
-        self._cal_tables = calibration.tables(1 + len(self.datastores))
+        self.history_source = 1 + len(self.datastores)  # source ids: 0 input, 1..K datastores, then the history
+        self._cal_tables = calibration.tables(2 + len(self.datastores))
+        history = config.history_tokens if config.sources != "datastore" else 0
         self._index = InputIndex(query_len=config.query_len, depth=config.input_depth,
-                                 max_tokens=config.input_max_tokens, vocab_size=self.vocab_size)
+                                 max_tokens=config.input_max_tokens, vocab_size=self.vocab_size,
+                                 history_tokens=history, history_top=config.fanout)
         self._ds_source = DatastoreSource(self.datastores, query_len=config.query_len,
                                           samples=config.datastore_samples, threshold=config.backoff_threshold)
         self._warm_up()
@@ -115,6 +126,16 @@ class Drafter:
 
     def stop_request(self, request_id: Hashable) -> None:
         self._index.stop_request(request_id)
+
+    def clear_history(self) -> None:
+        """Forget the outputs of finished requests (the output history)."""
+        self._index.clear_history()
+
+    def fresh(self) -> "Drafter":
+        """A new drafter on the same config, datastores and calibration, with no requests and no history (e.g. one
+        per policy of a side-by-side benchmark, so no policy drafts from another's outputs of the same prompts)."""
+        return Drafter(self.config, datastores=self.datastores, calibration=self.calibration,
+                       vocab_size=self.vocab_size)
 
     @property
     def input_index(self) -> InputIndex:
@@ -153,7 +174,8 @@ class Drafter:
         kernel = fuse_batch_parallel if B >= PARALLEL_MIN_BATCH else fuse_batch_serial
         t = tables.lists
         kernel(
-            slots, n_seq, t["buf"], t["tok"], t["cnt"], t["first"], t["sib"], t["hkeys"], t["hvals"],
+            slots, n_seq, t["buf"], t["tok"], t["cnt"], t["first"], t["sib"], t["hkeys"], t["hvals"], t["top"],
+            self._index.history_slot if use_input else -1, self.history_source, self._index.history_top,
             cfg.query_len, cfg.input_depth, cfg.input_scale, cfg.delta_base, cfg.delta_step,
             cand.tok, cand.cnt, cand.first, cand.sib, cand.roots, cand.match_len,
             np.asarray(budgets, np.int64), cfg.fanout, lookup, kx, ky, kn,
@@ -209,3 +231,4 @@ class Drafter:
         finally:
             for rid in ids:
                 self._index.stop_request(rid)
+            self._index.clear_history()  # the warm-up's requests are not outputs

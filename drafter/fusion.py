@@ -2,18 +2,21 @@
 
 Vocabulary
     candidate trie  a count-trie per source, in flat arrays `tok, cnt, first (child), sib (next sibling)`:
-                    the request's input index (prompt + self-output) and one small merged trie per datastore.
+                    the request's input index (prompt + self-output), the output history of earlier requests
+                    (optional, source id 1 + number of datastores) and one small merged trie per datastore.
     entry           a heap item: "put token `tok` under tree node `at`; it comes from trie node `ref` of source
                     `src`, has raw score `raw` and calibrated key `key`".
     raw score       conditional frequency count(child) / count(parent) multiplied along the path. Input-source
                     scores are scaled by `input_scale` (0.6) at depth 1 and damped by delta(m) = 0.6 + 0.1 m at every
-                    deeper level (m = length of the matched suffix). Datastore scores are plain frequencies.
+                    deeper level (m = length of the matched suffix); output-history scores likewise (each of
+                    its trie nodes offers only its `fanout` most frequent children). Datastore scores are plain
+                    frequencies.
     key             calibrated raw score, capped by the tree parent's probability, so probabilities never increase
                     along a path (the heap is then a true best-first order over path probabilities).
 
-Algorithm (sssd-notes §2.1): push the children of every matched input suffix node (m = q..1) and of every datastore
-root; then pop the best entry (ties: deeper first, then lower token, lower source id, longer match, lower tree
-parent); insert its token under its tree parent, or reuse the existing node with the same token (two sources that
+Algorithm (sssd-notes §2.1): push the children of every matched input suffix node (m = q..1), of every matched
+output-history suffix node, and of every datastore root; then pop the best entry (ties: deeper first, then lower
+token, lower source id, longer match, lower tree parent); insert its token under its tree parent, or reuse the existing node with the same token (two sources that
 agree make one node; scores are not summed); a parent already holding `fanout` children rejects new tokens; while the
 tree is below budget, push the popped entry's trie children under the (new or reused) node. Stop at the budget or
 when the heap is empty.
@@ -31,6 +34,7 @@ import numpy as np
 
 from drafter.input_index import trie_child
 
+_HISTORY_MIN_MATCH = 3
 # entry columns (float64 [cap, 9]; integer fields are exact in float64)
 _KEY, _RAW, _DEPTH, _TOK, _REF, _SRC, _AT, _DELTA, _MLEN = range(9)
 
@@ -128,9 +132,63 @@ def _pop(ent, heap, n_heap):
 
 
 @nb.njit(cache=True)
+def _seed_suffixes(ent, heap, n_ent, n_heap, seq, n_seq, tok, cnt, first, sib, hkeys, hvals, top, k, self_occ, src,
+                   query_len, input_scale, delta_base, delta_step, lookup, kx, ky, kn):
+    """Push the children of every suffix m = q..1 of `seq` found in a count-trie (the request's own index, where the
+    query itself is one occurrence: self_occ = 1; or the output history: self_occ = 0): all of a trie node's
+    children (k = 0), or its k most frequent, listed in `top` (`drafter.input_index._Seq.top`)."""
+    for m in range(min(query_len, n_seq), 0, -1):
+        node = np.int64(0)
+        for i in range(n_seq - m, n_seq):
+            node = trie_child(hkeys, hvals, node, seq[i])
+            if node < 0:
+                break
+        if node < 0:
+            continue
+        occ = cnt[node] - self_occ
+        if occ <= 0:
+            continue
+        delta = delta_base + delta_step * m
+        c = first[node] if k == 0 else top[node * k]
+        j = 0
+        while c >= 0:
+            raw = input_scale * cnt[c] / occ
+            key = min(calibrate(src, 1, m, raw, lookup, kx, ky, kn), 1.0)
+            ent, heap = _push(ent, heap, n_ent, n_heap, key, raw, 1, tok[c], c, src, -1, delta, m)
+            n_ent += 1
+            n_heap += 1
+            j += 1
+            c = sib[c] if k == 0 else (top[node * k + j] if j < k else -1)
+    return ent, heap, n_ent, n_heap
+
+
+@nb.njit(cache=True)
+def _push_count_children(ent, heap, n_ent, n_heap, tok, cnt, first, sib, top, k, ref, raw_p, delta, mlen, depth,
+                         pprob, src, at, lookup, kx, ky, kn):
+    """Push the children of count-trie node `ref` (all, k = 0; or its k most frequent, from `top`) under tree node
+    `at` (input-style score: damped by `delta`)."""
+    ch = first[ref] if k == 0 else top[ref * k]
+    j = 0
+    while ch >= 0:
+        raw = raw_p * cnt[ch] / cnt[ref] * delta
+        key = min(calibrate(src, depth, mlen, raw, lookup, kx, ky, kn), pprob)
+        ent, heap = _push(ent, heap, n_ent, n_heap, key, raw, depth, tok[ch], ch, src, at, delta, mlen)
+        n_ent += 1
+        n_heap += 1
+        j += 1
+        ch = sib[ch] if k == 0 else (top[ref * k + j] if j < k else -1)
+    return ent, heap, n_ent, n_heap
+
+
+@nb.njit(cache=True)
 def fuse_one(
     # input source: the request's count-trie (n_seq = 0 disables it)
     seq, n_seq, itok, icnt, ifirst, isib, hkeys, hvals,
+    # output history: a count-trie of earlier requests' outputs (source id history_src; -1 disables it); each of its
+    # nodes offers its history_top most frequent children, kept in `htop` (a parent takes at most fanout: after a
+    # common token the history holds hundreds of continuations, and walking them all made drafting a 64-request
+    # batch 25% slower)
+    htok, hcnt, hfirst, hsib, hhkeys, hhvals, htop, history_src, history_top,
     query_len, input_depth, input_scale, delta_base, delta_step,
     # datastore sources: global flat tries, one root per datastore (-1 = nothing retrieved)
     dtok, dcnt, dfirst, dsib, ds_roots, ds_mlen,
@@ -149,23 +207,15 @@ def fuse_one(
     heap = np.empty(64, np.int64)
     n_ent = 0
     n_heap = 0
-    # ---- seed: children of every matched input suffix, then of every datastore root
-    for m in range(min(query_len, n_seq), 0, -1):
-        node = np.int64(0)
-        for i in range(n_seq - m, n_seq):
-            node = trie_child(hkeys, hvals, node, seq[i])
-        occ = icnt[node] - 1  # the query itself is the newest occurrence and has no continuation
-        if occ <= 0:
-            continue
-        delta = delta_base + delta_step * m
-        c = ifirst[node]
-        while c >= 0:
-            raw = input_scale * icnt[c] / occ
-            key = min(calibrate(0, 1, m, raw, lookup, kx, ky, kn), 1.0)
-            ent, heap = _push(ent, heap, n_ent, n_heap, key, raw, 1, itok[c], c, 0, -1, delta, m)
-            n_ent += 1
-            n_heap += 1
-            c = isib[c]
+    # ---- seed: children of every matched suffix in the request's own index, then in the output history, then of
+    # every datastore root. The query is the newest occurrence in its own index (no continuation), not in the history.
+    ent, heap, n_ent, n_heap = _seed_suffixes(
+        ent, heap, n_ent, n_heap, seq, n_seq, itok, icnt, ifirst, isib, hkeys, hvals, htop, 0, 1, 0,
+        query_len, input_scale, delta_base, delta_step, lookup, kx, ky, kn)
+    if history_src >= 0:
+        ent, heap, n_ent, n_heap = _seed_suffixes(
+            ent, heap, n_ent, n_heap, seq, n_seq, htok, hcnt, hfirst, hsib, hhkeys, hhvals, htop, history_top, 0,
+            history_src, query_len, input_scale, delta_base, delta_step, lookup, kx, ky, kn)
     for k in range(ds_roots.shape[0]):
         r = ds_roots[k]
         if r < 0 or dcnt[r] <= 0:
@@ -223,17 +273,17 @@ def fuse_one(
         mlen = np.int64(ent[e, _MLEN])
         depth = o_depth[c] + 1
         pprob = np.float64(o_prob[c])
-        if src == 0:
+        if src == 0 or src == history_src:
             if depth > input_depth:
                 continue
-            ch = ifirst[ref]
-            while ch >= 0:
-                raw = raw_p * icnt[ch] / icnt[ref] * delta
-                key = min(calibrate(0, depth, mlen, raw, lookup, kx, ky, kn), pprob)
-                ent, heap = _push(ent, heap, n_ent, n_heap, key, raw, depth, itok[ch], ch, 0, c, delta, mlen)
-                n_ent += 1
-                n_heap += 1
-                ch = isib[ch]
+            if src == 0:
+                ent, heap, n_ent, n_heap = _push_count_children(
+                    ent, heap, n_ent, n_heap, itok, icnt, ifirst, isib, htop, 0, ref, raw_p, delta, mlen, depth, pprob,
+                    src, c, lookup, kx, ky, kn)
+            else:
+                ent, heap, n_ent, n_heap = _push_count_children(
+                    ent, heap, n_ent, n_heap, htok, hcnt, hfirst, hsib, htop, history_top, ref, raw_p, delta, mlen,
+                    depth, pprob, src, c, lookup, kx, ky, kn)
         else:
             ch = dfirst[ref]
             while ch >= 0:
@@ -246,17 +296,21 @@ def fuse_one(
     return n
 
 
-def _fuse_rows(slots, n_seq, bufs, itoks, icnts, ifirsts, isibs, hkeyss, hvalss,
-               query_len, input_depth, input_scale, delta_base, delta_step,
+def _fuse_rows(slots, n_seq, bufs, itoks, icnts, ifirsts, isibs, hkeyss, hvalss, tops, history_slot, history_src,
+               history_top, query_len, input_depth, input_scale, delta_base, delta_step,
                dtok, dcnt, dfirst, dsib, ds_roots, ds_mlen, budgets, fanout, lookup, kx, ky, kn,
                o_tok, o_par, o_prob, o_depth, o_src, o_raw, o_mlen, o_n):
     """`fuse_one` for every row b of a batch: request slot `slots[b]` (its arrays in the typed lists), datastore
     roots `ds_roots[b]`, output row b of the 2-D `o_*`, node count in `o_n[b]`. `n_seq[b]` = 0 disables the input
-    source for that row. Compiled twice below: a `prange` version for large batches and a serial one."""
+    source for that row; `history_slot` (-1: none) is the output history's slot, drafted as source `history_src`.
+    Compiled twice below: a `prange` version for large batches and a serial one."""
+    hsrc = history_src if history_slot >= 0 else -1
     for b in nb.prange(slots.shape[0]):
         s = slots[b]
+        h = history_slot if history_slot >= 0 else s  # without a history any slot will do: hsrc = -1 leaves it unread
         o_n[b] = fuse_one(
             bufs[s], n_seq[b], itoks[s], icnts[s], ifirsts[s], isibs[s], hkeyss[s], hvalss[s],
+            itoks[h], icnts[h], ifirsts[h], isibs[h], hkeyss[h], hvalss[h], tops[h], hsrc, history_top,
             query_len, input_depth, input_scale, delta_base, delta_step,
             dtok, dcnt, dfirst, dsib, ds_roots[b], ds_mlen[b], budgets[b], fanout, lookup, kx, ky, kn,
             o_tok[b], o_par[b], o_prob[b], o_depth[b], o_src[b], o_raw[b], o_mlen[b],

@@ -21,6 +21,13 @@ it is exactly what has been seen so far.
 Memory is bounded by `max_tokens` per request: when a request outgrows it, the oldest quarter of its tokens is dropped
 and the trie is rebuilt from the rest (amortised O(D) per token). Lifecycle (ArcticInference style): `start_request`,
 `extend`, `stop_request`; misuse raises `ValueError` and changes nothing.
+
+Output history (SuffixDecoding's global tree of earlier responses): with `history_tokens > 0`, `stop_request` adds the
+request's OUTPUT (every token passed to `extend`, never the prompt) to one shared count-trie of finished requests'
+outputs, newest `history_tokens` tokens kept (whole outputs are dropped oldest first). Outputs are separate segments:
+no n-gram crosses from one output into the next. The drafter queries it with a request's last q tokens like its own
+index; the query is not part of the history, so every count there is an earlier occurrence. Drafts never change
+outputs (verification is lossless), so sharing the history across requests changes speed only.
 """
 
 from __future__ import annotations
@@ -72,8 +79,34 @@ def _rehash(hkeys, hvals, par, tok, n_nodes):
         _hash_put(hkeys, hvals, (np.int64(par[c]) << 31) | np.int64(tok[c]), c)
 
 
+@nb.njit(cache=True, inline="always")
+def _ranks_above(a, b, cnt, tok):
+    return cnt[a] > cnt[b] or (cnt[a] == cnt[b] and tok[a] < tok[b])
+
+
 @nb.njit(cache=True)
-def _append(new, buf, n, tok, cnt, par, first, sib, n_nodes, hkeys, hvals, active):
+def _top_update(top, k, p, c, cnt, tok):
+    """Child c of node p gained a count: keep top[p*k : p*k+k] = p's k most frequent children (ties: lower token),
+    -1 padded. Counts only grow, so a child outside the row enters only by beating the row's last."""
+    row = p * k
+    i = k - 1
+    while i >= 0 and top[row + i] != c:
+        i -= 1
+    if i < 0:
+        last = top[row + k - 1]
+        if last >= 0 and not _ranks_above(c, last, cnt, tok):
+            return
+        i = k - 1
+        while i > 0 and top[row + i - 1] < 0:
+            i -= 1
+        top[row + i] = c
+    while i > 0 and _ranks_above(top[row + i], top[row + i - 1], cnt, tok):
+        top[row + i], top[row + i - 1] = top[row + i - 1], top[row + i]
+        i -= 1
+
+
+@nb.njit(cache=True)
+def _append(new, buf, n, tok, cnt, par, first, sib, n_nodes, hkeys, hvals, active, top, k):
     """Append `new` to the sequence; capacities were ensured by the caller. Returns the new node count.
 
     active[j] is the node of the last j tokens (active[0] = root = 0, -1 while the sequence is shorter than j).
@@ -98,7 +131,10 @@ def _append(new, buf, n, tok, cnt, par, first, sib, n_nodes, hkeys, hvals, activ
                 sib[c] = first[p]
                 first[p] = c
                 _hash_put(hkeys, hvals, key, c)
+                top[c * k : c * k + k] = -1
             cnt[c] += 1
+            if k > 0:
+                _top_update(top, k, p, c, cnt, tok)
             if j + 1 < D:
                 active[j + 1] = c
         buf[n + i] = t
@@ -108,14 +144,15 @@ def _append(new, buf, n, tok, cnt, par, first, sib, n_nodes, hkeys, hvals, activ
 class _Seq:
     """Arrays of one request's index (owned by InputIndex; read directly by the fusion kernel)."""
 
-    __slots__ = ("buf", "n", "total", "tok", "cnt", "par", "first", "sib", "n_nodes", "hkeys", "hvals", "active",
-                 "version")
+    __slots__ = ("buf", "n", "total", "prompt_len", "tok", "cnt", "par", "first", "sib", "n_nodes", "hkeys", "hvals",
+                 "active", "version", "top", "top_k")
 
-    def __init__(self, window: int, token_cap: int):
+    def __init__(self, window: int, token_cap: int, top_k: int = 0):
         node_cap = 1 + window * max(token_cap, 16)
         self.buf = np.empty(max(token_cap, 16), np.int32)
         self.n = 0
         self.total = 0
+        self.prompt_len = 0  # tokens given at start_request (the rest of `total` is output)
         self.tok = np.empty(node_cap, np.int32)
         self.cnt = np.empty(node_cap, np.int32)
         self.par = np.empty(node_cap, np.int32)
@@ -127,6 +164,10 @@ class _Seq:
         self.hvals = np.empty(self.hkeys.shape[0], np.int32)
         self.active = np.full(window, -1, np.int32)
         self.active[0] = 0
+        # top_k > 0: top[node * top_k : ...] lists each node's top_k most frequent children, kept as tokens arrive, so
+        # a reader needs not walk a node with hundreds of children (the output history's common tokens)
+        self.top_k = top_k
+        self.top = np.full(node_cap * top_k, -1, np.int32)
         self.version = 0  # bumped whenever an array is reallocated (the batch tables must re-point to it)
 
     def reserve(self, k: int) -> None:
@@ -139,6 +180,8 @@ class _Seq:
         if need > self.tok.shape[0]:
             for name in ("tok", "cnt", "par", "first", "sib"):
                 setattr(self, name, _grow(getattr(self, name), need))
+            if self.top_k:
+                self.top = _grow(self.top, self.tok.shape[0] * self.top_k)
             self.version += 1
         if 2 * need > self.hkeys.shape[0]:
             self.version += 1
@@ -146,11 +189,16 @@ class _Seq:
             self.hvals = np.empty(self.hkeys.shape[0], np.int32)
             _rehash(self.hkeys, self.hvals, self.par, self.tok, self.n_nodes)
 
+    def new_segment(self) -> None:
+        """The next appended token starts a fresh segment: no n-gram spans the boundary."""
+        self.active[:] = -1
+        self.active[0] = 0
+
     def append(self, new: np.ndarray) -> None:
         self.reserve(new.shape[0])
         self.n_nodes = _append(
             new, self.buf, self.n, self.tok, self.cnt, self.par, self.first, self.sib, self.n_nodes,
-            self.hkeys, self.hvals, self.active,
+            self.hkeys, self.hvals, self.active, self.top, self.top_k,
         )
         self.n += new.shape[0]
 
@@ -165,7 +213,7 @@ class _SlotTables:
 
     _I32 = nb.types.int32[::1]
     _I64 = nb.types.int64[::1]
-    _FIELDS_I32 = ("buf", "tok", "cnt", "first", "sib", "hvals")
+    _FIELDS_I32 = ("buf", "tok", "cnt", "first", "sib", "hvals", "top")
 
     def __init__(self) -> None:
         from numba.typed import List
@@ -238,11 +286,16 @@ class InputIndex:
         idx.stop_request("r1")
     """
 
-    def __init__(self, *, query_len: int = 4, depth: int = 8, max_tokens: int = 16384, vocab_size: int | None = None):
+    def __init__(self, *, query_len: int = 4, depth: int = 8, max_tokens: int = 16384, vocab_size: int | None = None,
+                 history_tokens: int = 0, history_top: int = 5):
         if query_len < 1 or depth < 1:
             raise ValueError(f"query_len and depth must be >= 1, got {query_len} and {depth}")
         if max_tokens < 4 * (query_len + depth):
             raise ValueError(f"max_tokens={max_tokens} is too small; use at least 4 * (query_len + depth)")
+        if history_tokens < 0:
+            raise ValueError(f"history_tokens must be >= 0 (0 = no output history), got {history_tokens}")
+        if history_top < 1:
+            raise ValueError(f"history_top must be >= 1, got {history_top}")
         self.query_len = query_len
         self.depth = depth
         self.window = query_len + depth  # n-grams up to query_len + depth tokens are counted
@@ -251,6 +304,14 @@ class InputIndex:
         self._seqs: dict[Hashable, _Seq] = {}
         self._slots: dict[Hashable, int] = {}
         self.tables = _SlotTables()
+        self.history_tokens = history_tokens
+        self.history_top = history_top  # children per history node the drafter reads (its most frequent)
+        self._history_outputs: list[np.ndarray] = []  # oldest first; together at most history_tokens tokens
+        self._history: _Seq | None = None
+        self.history_slot = -1  # slot of the shared output history in `tables` (-1: none)
+        if history_tokens:
+            self.history_slot = self.tables.acquire()
+            self.clear_history()
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     @property
@@ -264,6 +325,7 @@ class InputIndex:
         toks = self._check_tokens(prompt_ids, what="prompt_ids")
         seq = _Seq(self.window, min(max(toks.shape[0] + 64, 64), self.max_tokens))
         self._add(seq, toks)
+        seq.prompt_len = toks.shape[0]
         slot = self.tables.acquire()
         self.tables.sync(slot, seq)
         self._seqs[request_id] = seq
@@ -277,10 +339,50 @@ class InputIndex:
         self.tables.sync(self._slots[request_id], seq)
 
     def stop_request(self, request_id: Hashable) -> None:
-        """Forget a request and free its memory."""
-        self._get(request_id)
+        """Forget a request and free its memory; its output joins the output history (when there is one)."""
+        seq = self._get(request_id)
+        if self._history is not None:
+            n_out = min(seq.total - seq.prompt_len, seq.n)
+            if n_out > 0:
+                self._remember(seq.buf[seq.n - n_out : seq.n].copy())
         del self._seqs[request_id]
         self.tables.release(self._slots.pop(request_id))
+
+    # ---- output history --------------------------------------------------------------------------------------
+    def clear_history(self) -> None:
+        """Forget every remembered output (e.g. between benchmark runs over the same prompts)."""
+        if not self.history_tokens:
+            return
+        self._history_outputs = []
+        self._rebuild_history()
+
+    def history(self) -> list[np.ndarray]:
+        """The remembered outputs, oldest first (copies)."""
+        return [o.copy() for o in self._history_outputs]
+
+    def _remember(self, output: np.ndarray) -> None:
+        output = output[-self.history_tokens :]
+        self._history_outputs.append(output)
+        total = sum(o.shape[0] for o in self._history_outputs)
+        if total <= self.history_tokens:
+            self._history.new_segment()
+            self._history.append(output)
+            self.tables.sync(self.history_slot, self._history)
+            return
+        # Over the cap: drop whole outputs, oldest first, down to 3/4 of it, and rebuild (amortised O(window)/token).
+        while total > self.history_tokens - self.history_tokens // 4 and len(self._history_outputs) > 1:
+            total -= self._history_outputs.pop(0).shape[0]
+        self._rebuild_history()
+
+    def _rebuild_history(self) -> None:
+        total = sum(o.shape[0] for o in self._history_outputs)
+        seq = _Seq(self.window, max(total, 64), top_k=self.history_top)
+        for output in self._history_outputs:
+            seq.new_segment()
+            seq.append(output)
+        seq.version = (self._history.version + 1) if self._history is not None else 0
+        self._history = seq
+        self.tables.sync(self.history_slot, seq)
 
     # ---- views -----------------------------------------------------------------------------------------------
     def tokens(self, request_id: Hashable) -> np.ndarray:
@@ -354,6 +456,7 @@ class InputIndex:
             keep = np.concatenate([seq.buf[: seq.n], toks])[-(self.max_tokens - self.max_tokens // 4) :]
             fresh = _Seq(self.window, self.max_tokens)
             fresh.total = seq.total
+            fresh.prompt_len = seq.prompt_len
             fresh.append(np.ascontiguousarray(keep))
             fresh.version = seq.version + 1
             for name in _Seq.__slots__:

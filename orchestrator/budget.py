@@ -21,8 +21,8 @@ lower (earlier, parents-first) index, so the k best nodes of a tree always inclu
 Closed loop (`observe`, called by the orchestrator after every step):
 - acceptance: served traffic drifts from the offline calibration, and picking the highest-scored nodes of many
   trees selects the ones whose scores are most over-estimated (the winner's curse). Every verified node's outcome
-  feeds an online recalibration by depth and probability bin (`orchestrator/recalibration.py`), and the allocation
-  ranks, chooses and counts nodes by their recalibrated probability (a deep node can rank below a shallower
+  feeds an online recalibration by depth, source and probability bin (`orchestrator/recalibration.py`), and the
+  allocation ranks, chooses and counts nodes by their recalibrated probability (a deep node can rank below a shallower
   sibling branch of lower calibrated probability: the chosen nodes are not always `prune_tree`'s). One realized /
   predicted ratio over all chosen nodes would let the over-estimated high-probability nodes shrink the marginal
   ones too, and one map for every depth would let the deep chains' compounding error shrink the shallow nodes;
@@ -108,6 +108,7 @@ class BudgetDecision:
     request_ids: tuple | None = None  # the requests, in order, when the caller named them
     node_probs: np.ndarray | None = None  # calibrated probabilities of the sent nodes: request by request, tree order
     node_depths: np.ndarray | None = None  # and their depths, in the same order
+    node_sources: np.ndarray | None = None  # and their drafter sources (0: the request's own index), same order
 
 
 _EMPTY_TREE = DraftTree.empty()
@@ -212,20 +213,21 @@ class BudgetController:
         accepted = np.asarray(accepted, dtype=np.float64)
         probs = decision.node_probs if decision.node_probs is not None else np.zeros(0)
         depths = decision.node_depths if decision.node_depths is not None else np.ones(probs.shape, np.int32)
+        sources = decision.node_sources
         if accepted.shape != probs.shape:
             raise ValueError(f"accepted has {accepted.shape[0]} entries; the decision sent {probs.shape[0]} nodes")
         if self.per_request_acceptance and decision.request_ids is not None:
             live = set(decision.request_ids)
             self._history = {rid: h for rid, h in self._history.items() if rid in live}  # finished ones leave
             owner = np.repeat(np.arange(len(decision.nodes)), decision.nodes)
-            predicted = np.bincount(owner, weights=self.recalibration(probs, depths), minlength=len(decision.nodes))
+            predicted = np.bincount(owner, weights=self.recalibration(probs, depths, sources), minlength=len(decision.nodes))
             realized = np.bincount(owner, weights=accepted, minlength=len(decision.nodes))
             for rid, n, p, r in zip(decision.request_ids, decision.nodes, predicted, realized):
                 if n > 0:
                     h = self._history.setdefault(rid, [0.0, 0.0])
                     h[0] += float(p)
                     h[1] += float(r)
-        self.recalibration.observe(probs, depths, accepted)
+        self.recalibration.observe(probs, depths, accepted, sources)
         b = max(len(decision.nodes), 1)
         a = self.ema
         if measured_s and measured_s > 0 and decision.no_speculation_step_s > 0:
@@ -281,7 +283,8 @@ class BudgetController:
             nodes = np.array([len(t) for t in pruned], dtype=np.int32)
             raw = np.array([t.expected_accepted for t in pruned])
             return pruned, BudgetDecision(nodes, self.step_model.predict(ones + nodes, context), ones + raw, base_s,
-                                          node_probs=_node_probs(pruned), node_depths=_node_depths(pruned))
+                                          node_probs=_node_probs(pruned), node_depths=_node_depths(pruned),
+                                          node_sources=_node_sources(pruned))
 
         factors = self.request_factors(request_ids, b)
         weights = np.ones(b) if remaining_steps is None else _drain_weights(np.asarray(remaining_steps, np.float64))
@@ -289,7 +292,8 @@ class BudgetController:
         pruned = [_keep_nodes(t, keep) for t, keep in zip(trees, chosen)]
         return pruned, BudgetDecision(nodes, step_s, tokens, base_s, gain,
                                       request_ids=None if request_ids is None else tuple(request_ids),
-                                      node_probs=_node_probs(pruned), node_depths=_node_depths(pruned))
+                                      node_probs=_node_probs(pruned), node_depths=_node_depths(pruned),
+                                      node_sources=_node_sources(pruned))
 
     def _goodput_nodes(self, trees, context, tpot_s, factors, weights):
         b = len(trees)
@@ -303,7 +307,8 @@ class BudgetController:
         starts = np.cumsum(sizes) - sizes
         parents = np.concatenate([t.parents for t in trees] + [np.empty(0, np.int32)]).astype(np.int64)
         parents = np.where(parents >= 0, parents + starts[owner], -1)
-        values = self.recalibration.tree_values(_node_probs(trees), _node_depths(trees), parents)
+        values = self.recalibration.tree_values(_node_probs(trees), _node_depths(trees), parents,
+                                                _node_sources(trees))
         probs = np.minimum(factors[owner] * values, 1.0)
         index = np.arange(owner.shape[0]) - starts[owner]
         value = weights[owner] * probs  # what a node is worth to the objective; `probs` stay the predictions
@@ -433,6 +438,10 @@ def _node_probs(trees: Sequence[DraftTree]) -> np.ndarray:
 
 def _node_depths(trees: Sequence[DraftTree]) -> np.ndarray:
     return np.concatenate([t.depth for t in trees] + [np.empty(0, np.int32)])
+
+
+def _node_sources(trees: Sequence[DraftTree]) -> np.ndarray:
+    return np.concatenate([t.source for t in trees] + [np.empty(0, np.int16)])
 
 
 def _cumcount(groups: np.ndarray) -> np.ndarray:

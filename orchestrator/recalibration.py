@@ -10,10 +10,16 @@ trajectories. Served traffic drifts from those, and not uniformly:
   depth 1 and 24% at depths 5-7. One map for every depth under-valued the shallow nodes (the wide trees that
   `fixed:4` sends and that paid there) and over-valued the deep chains the controller sent instead.
 
-So nodes are binned by calibrated probability within a depth bucket (1, 2, 3, 4-5, 6+). Each cell keeps exponentially
+- by source: the request's own index (prompt + output so far) and retrieval (datastores, the output history of other
+  requests) drift apart. On chitchat at cap 4, datastore nodes calibrated at 0.14 were accepted 25% of the time
+  while the own-index nodes of the same bins were on target; a request whose drafts came mostly from the
+  datastore got one node per step where `fixed:4` got τ 2.3 from four.
+
+So nodes are binned by calibrated probability within a bucket: depth bucket (1, 2, 3, 4-5, 6+) × source (own index,
+retrieved). Each cell keeps exponentially
 decayed sums of predicted and realized acceptance. Deep buckets see few nodes per bin (at cap 4, about one per step
 over all deep bins), so a cell is not read alone: its ratio shrinks, with the weight of `prior_nodes` nodes, toward
-the product of its bin's ratio over every depth and its bucket's depth factor, which themselves start at 1 (trusting
+the product of its bin's ratio over every bucket and its bucket's factor, which themselves start at 1 (trusting
 the calibration). A bucket's map interpolates its bins' corrected rates between their centres. Those rates are made
 non-decreasing by pooling adjacent violators weighted by each bin's evidence (an over-confident bin with hundreds of
 nodes is not lifted to its empty neighbour's prior). Buckets are not ordered against each other: on the
@@ -33,11 +39,25 @@ from drafter.calibration import pav
 
 _EDGES = np.array([0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0])
 DEPTH_BUCKET_STARTS = np.array([1, 2, 3, 4, 6])  # bucket i holds depths [starts[i], starts[i + 1])
-_DEPTH_PRIOR = 2.0  # pseudo-accepted tokens behind a depth factor of 1
+# Pseudo-accepted tokens behind a bucket factor of 1. At 2, a bucket that missed a few times early was discounted
+# before it had shown anything: replaying the committed CPU runs through `tools/simulate`, goodput then starved a
+# chitchat request whose retrieved drafts beat their calibration (cap 4: 0.92x the best fixed policy); at 10, every
+# replayed (set, cap) group was at 0.99x or above (20 and 40 gave the same within 2%).
+_BUCKET_PRIOR = 10.0
+N_BUCKETS = 2 * DEPTH_BUCKET_STARTS.size  # depth buckets of the request's own index (source 0), then of the rest
 
 
 def depth_bucket(depths: np.ndarray) -> np.ndarray:
     return np.clip(np.searchsorted(DEPTH_BUCKET_STARTS, depths, side="right") - 1, 0, DEPTH_BUCKET_STARTS.size - 1)
+
+
+def node_bucket(depths: np.ndarray, sources: np.ndarray | None = None) -> np.ndarray:
+    """Cell row of each node: its depth bucket, offset for nodes retrieved from elsewhere than the request's own
+    index (datastores, output history). None: every node counts as the request's own."""
+    buckets = depth_bucket(np.asarray(depths))
+    if sources is None:
+        return buckets
+    return buckets + DEPTH_BUCKET_STARTS.size * (np.asarray(sources) > 0)
 
 
 class OnlineRecalibration:
@@ -47,7 +67,7 @@ class OnlineRecalibration:
         self.decay = decay
         self.centers = (_EDGES[:-1] + _EDGES[1:]) / 2
         self.prior_nodes = prior_nodes
-        shape = (DEPTH_BUCKET_STARTS.size, self.centers.size)
+        shape = (N_BUCKETS, self.centers.size)
         self._prior = prior_nodes * self.centers  # a bin's pseudo-predictions (as many realized as predicted)
         self._predicted = np.zeros(shape)
         self._realized = np.zeros(shape)
@@ -55,32 +75,34 @@ class OnlineRecalibration:
         self._knots_x = np.concatenate([[0.0], self.centers, [1.0]])
         self._knots_y = np.tile(self._knots_x, (shape[0], 1))
 
-    def __call__(self, probs: np.ndarray, depths: np.ndarray) -> np.ndarray:
-        """Expected acceptance of nodes with these calibrated path probabilities and depths, as recently realized."""
+    def __call__(self, probs: np.ndarray, depths: np.ndarray, sources: np.ndarray | None = None) -> np.ndarray:
+        """Expected acceptance of nodes with these calibrated path probabilities, depths and sources, as recently
+        realized."""
         probs = np.asarray(probs, dtype=np.float64)
-        buckets = depth_bucket(np.asarray(depths))
+        buckets = node_bucket(depths, sources)
         out = np.empty_like(probs)
         for bucket in np.unique(buckets):
             mask = buckets == bucket
             out[mask] = np.interp(probs[mask], self._knots_x, self._knots_y[bucket])
         return out
 
-    def tree_values(self, probs: np.ndarray, depths: np.ndarray, parents: np.ndarray) -> np.ndarray:
+    def tree_values(self, probs: np.ndarray, depths: np.ndarray, parents: np.ndarray,
+                    sources: np.ndarray | None = None) -> np.ndarray:
         """Recalibrated values of the nodes of trees laid end to end (`parents`: global indices, -1 for a root's
         child, every parent before its children), each capped at its parent's: a path's values never increase."""
-        values = self(probs, depths)
+        values = self(probs, depths, sources)
         _cap_at_parents(values, np.asarray(parents, dtype=np.int64))
         return values
 
     @property
     def ratios(self) -> np.ndarray:
-        """Realized / predicted acceptance per [depth bucket, probability bin]. A cell shrinks toward its bin's ratio
-        over every depth times its bucket's depth factor (its realized over what the bins' ratios expect of it),
+        """Realized / predicted acceptance per [bucket, probability bin]. A cell shrinks toward its bin's ratio
+        over every bucket times its bucket's factor (its realized over what the bins' ratios expect of it),
         each of those toward 1: a deep bucket sees too few nodes per bin to be read alone."""
         by_bin = (self._realized.sum(axis=0) + self._prior) / (self._predicted.sum(axis=0) + self._prior)
         expected = self._predicted @ by_bin
-        depth_factor = (self._realized.sum(axis=1) + _DEPTH_PRIOR) / (expected + _DEPTH_PRIOR)
-        return ((self._realized + self._prior * by_bin * depth_factor[:, None])
+        bucket_factor = (self._realized.sum(axis=1) + _BUCKET_PRIOR) / (expected + _BUCKET_PRIOR)
+        return ((self._realized + self._prior * by_bin * bucket_factor[:, None])
                 / (self._predicted + self._prior))
 
     @property
@@ -90,8 +112,10 @@ class OnlineRecalibration:
         prior = self._prior.sum()
         return float((self._realized.sum() + prior) / (self._predicted.sum() + prior))
 
-    def observe(self, probs: np.ndarray, depths: np.ndarray, accepted: np.ndarray) -> None:
-        """One step's verified nodes: their calibrated probabilities, depths, and whether each was accepted (1/0)."""
+    def observe(self, probs: np.ndarray, depths: np.ndarray, accepted: np.ndarray,
+                sources: np.ndarray | None = None) -> None:
+        """One step's verified nodes: their calibrated probabilities, depths, (sources,) and whether each was
+        accepted (1/0)."""
         probs = np.asarray(probs, dtype=np.float64)
         depths = np.asarray(depths)
         accepted = np.asarray(accepted, dtype=np.float64)
@@ -103,7 +127,7 @@ class OnlineRecalibration:
         self._nodes *= self.decay
         if probs.size:
             n = self.centers.size
-            cells = depth_bucket(depths) * n + np.clip(np.searchsorted(_EDGES, probs, side="right") - 1, 0, n - 1)
+            cells = node_bucket(depths, sources) * n + np.clip(np.searchsorted(_EDGES, probs, side="right") - 1, 0, n - 1)
             size = self._nodes.size
             self._predicted += np.bincount(cells, weights=probs, minlength=size).reshape(self._nodes.shape)
             self._realized += np.bincount(cells, weights=accepted, minlength=size).reshape(self._nodes.shape)

@@ -208,6 +208,29 @@ def test_recalibration_discounts_deep_nodes_without_discounting_shallow_ones():
     assert all(v <= min(values[sorted(kept)]) + 1e-12 for i, v in enumerate(values) if i not in kept)
 
 
+def test_recalibration_lifts_retrieved_nodes_that_beat_their_calibration_and_only_them():
+    # Chitchat at cap 4: datastore nodes calibrated at 0.14 were accepted 25% of the time while the request's own
+    # index was on target. A goodput controller that cannot tell them apart starves the requests drafted from the
+    # datastore.
+    recalibration = OnlineRecalibration()
+    rng = np.random.default_rng(1)
+    sources = np.repeat([0, 1], 20)  # the request's own index, a datastore
+    for _ in range(200):
+        probs = rng.uniform(0.1, 0.2, 40)
+        recalibration.observe(probs, np.ones(40, np.int32), rng.random(40) < np.where(sources == 0, probs, 2 * probs),
+                              sources)
+    own, retrieved = recalibration(np.array([0.15, 0.15]), np.array([1, 1]), np.array([0, 1]))
+    assert own == pytest.approx(0.15, abs=0.03)
+    assert retrieved == pytest.approx(0.30, abs=0.05)
+    assert recalibration(np.array([0.15]), np.array([1])) == own  # no sources given: the request's own index
+    # the controller passes every sent node's source back, so a fixed policy's steps teach the same map
+    controller = BudgetController(BudgetPolicy.parse("goodput"), h100_model())
+    tree = DraftTree.from_arrays(tokens=np.arange(2), parents=np.array([-1, -1]), probs=np.array([0.3, 0.2]),
+                                 source=np.array([0, 2]))
+    _, decision = controller.allocate([tree], np.array([512.0]))
+    assert decision.nodes[0] == 2 and decision.node_sources.tolist() == [0, 2]
+
+
 @settings(max_examples=50, deadline=None)
 @given(st.lists(st.tuples(st.floats(0.0, 1.0), st.integers(1, 12), st.booleans()), min_size=0, max_size=200),
        st.lists(st.tuples(st.integers(0, 1000), st.floats(0.0, 1.0)), min_size=2, max_size=40))
@@ -215,12 +238,13 @@ def test_recalibrated_trees_stay_trees(observations, nodes):
     # Whatever the recalibration has seen, each depth's map is non-decreasing and a node's value never exceeds its
     # parent's, so the goodput allocation's chosen nodes always include their ancestors.
     recalibration = OnlineRecalibration()
-    for p, depth, ok in observations:
-        recalibration.observe(np.array([p]), np.array([depth]), np.array([float(ok)]))
+    for i, (p, depth, ok) in enumerate(observations):
+        recalibration.observe(np.array([p]), np.array([depth]), np.array([float(ok)]), np.array([i % 3]))
     grid = np.linspace(0, 1, 101)
     for depth in range(1, 10):
-        mapped = recalibration(grid, np.full(grid.size, depth))
-        assert np.all(np.diff(mapped) >= 0) and np.all((mapped >= 0) & (mapped <= 1))
+        for source in (0, 1, 2):
+            mapped = recalibration(grid, np.full(grid.size, depth), np.full(grid.size, source))
+            assert np.all(np.diff(mapped) >= 0) and np.all((mapped >= 0) & (mapped <= 1))
     # a random tree: node i hangs under an earlier node (or the root); its probability is its parent's times a factor
     parents = np.array([-1] + [seed % (i + 1) - 1 for i, (seed, _) in enumerate(nodes[1:])])
     probs = np.empty(len(nodes))

@@ -111,8 +111,28 @@ def input_matches(seq, q, L):
     return out
 
 
-def reference_fusion(seq, ds_tries, cfg: DrafterConfig, budget: int, *, use_input=True):
-    """SSSD Algorithm 1 in plain Python over dict tries, with the kernel's documented tie order."""
+def history_matches(outputs, seq, q, L):
+    """Brute force of the output history: {m: (occurrences in earlier outputs, {path: count})}; no n-gram crosses
+    from one output into the next, and the query itself is not an occurrence."""
+    out = {}
+    for m in range(min(q, len(seq)), 0, -1):
+        counts, occ = {}, 0
+        for o in outputs:
+            o = [int(t) for t in o]
+            for s in range(len(o) - m + 1):
+                if o[s : s + m] == list(seq[len(seq) - m :]):
+                    occ += 1
+                    cont = o[s + m : s + m + L]
+                    for d in range(1, len(cont) + 1):
+                        counts[tuple(cont[:d])] = counts.get(tuple(cont[:d]), 0) + 1
+        if occ and counts:
+            out[m] = (occ, counts)
+    return out
+
+
+def reference_fusion(seq, ds_tries, cfg: DrafterConfig, budget: int, *, use_input=True, history=(), history_src=None):
+    """SSSD Algorithm 1 in plain Python over dict tries, with the kernel's documented tie order. `history`: earlier
+    requests' outputs, drafted as source `history_src` like the input source."""
     if budget == 0:
         return []
     fan = min(cfg.fanout, budget)
@@ -122,14 +142,19 @@ def reference_fusion(seq, ds_tries, cfg: DrafterConfig, budget: int, *, use_inpu
         heapq.heappush(heap, (-key, -depth, tok, src, -mlen, at, counter[0], raw, ref, delta))
         counter[0] += 1
 
-    def children(counts, path):
-        return [p[-1] for p in counts if len(p) == len(path) + 1 and p[:-1] == path]
+    def children(counts, path, top=None):
+        kids = [p[-1] for p in counts if len(p) == len(path) + 1 and p[:-1] == path]
+        if top is not None:  # the output history offers a node's `top` most frequent children (ties: lower token)
+            kids = sorted(kids, key=lambda t: (-counts[path + (t,)], t))[:top]
+        return kids
 
     inp = input_matches(seq, cfg.query_len, cfg.input_depth) if use_input else {}
-    for m, (occ, counts) in inp.items():
-        for t in children(counts, ()):
-            raw = cfg.input_scale * counts[(t,)] / occ
-            push(min(max(raw, 0.0), 1.0), raw, 1, t, 0, m, -1, ("in", m, (t,)), cfg.delta_base + cfg.delta_step * m)
+    hist = history_matches(history, seq, cfg.query_len, cfg.input_depth) if use_input else {}
+    for kind, src, matches in (("in", 0, inp), ("hist", history_src, hist)):
+        for m, (occ, counts) in matches.items():
+            for t in children(counts, (), None if kind == "in" else cfg.fanout):
+                raw = cfg.input_scale * counts[(t,)] / occ
+                push(min(max(raw, 0.0), 1.0), raw, 1, t, src, m, -1, (kind, m, (t,)), cfg.delta_base + cfg.delta_step * m)
     for k, (counts, mlen) in enumerate(ds_tries):
         if counts.get((), 0) > 0:
             for t in children(counts, ()):
@@ -152,13 +177,13 @@ def reference_fusion(seq, ds_tries, cfg: DrafterConfig, budget: int, *, use_inpu
             break
         depth, pprob = nodes[c][3] + 1, nodes[c][2]
         kind, which, path = ref
-        if kind == "in":
+        if kind in ("in", "hist"):
             if depth > cfg.input_depth:
                 continue
-            occ, counts = inp[which]
-            for t in children(counts, path):
+            occ, counts = (inp if kind == "in" else hist)[which]
+            for t in children(counts, path, None if kind == "in" else cfg.fanout):
                 r = raw * counts[path + (t,)] / counts[path] * delta
-                push(min(min(max(r, 0.0), 1.0), pprob), r, depth, t, 0, -negm, c, ("in", which, path + (t,)), delta)
+                push(min(min(max(r, 0.0), 1.0), pprob), r, depth, t, src, -negm, c, (kind, which, path + (t,)), delta)
         else:
             counts = ds_tries[which][0]
             for t in children(counts, path):
@@ -224,6 +249,13 @@ def test_fusion_equals_reference(ds, ds2, docs, sources, fanout):
     cfg = DrafterConfig(sources=sources, fanout=fanout, datastore_samples=10**6, input_depth=5)
     dr = Drafter(cfg, datastores=[ds, ds2], calibration=CalibrationMap.identity())
     rng = np.random.default_rng(fanout)
+    history = []  # finished requests: their outputs (never their prompts) are the output history
+    for i in range(6):
+        prompt, output = rng.integers(0, 8, 12), rng.integers(0, 9, int(rng.integers(1, 40)))
+        dr.start_request(f"done{i}", prompt)
+        dr.extend(f"done{i}", output)
+        dr.stop_request(f"done{i}")
+        history.append(output)
     batch, seqs = [], {}
     for i in range(20):  # above PARALLEL_MIN_BATCH: the parallel kernel is checked against the reference too
         base = rng.integers(0, 8, 12)
@@ -239,13 +271,16 @@ def test_fusion_equals_reference(ds, ds2, docs, sources, fanout):
         if sources != "input":
             L = sssd_branch_length(budget)
             tries = [brute_backoff(d, seq, q=4, L=L, threshold=50) for d in (docs, docs2)]
-        want = reference_fusion(seq, tries, cfg, budget, use_input=sources != "datastore")
+        want = reference_fusion(seq, tries, cfg, budget, use_input=sources != "datastore", history=history,
+                                history_src=dr.history_source)
         assert tree_rows(res.tree) == want
         check_tree(res.tree, budget, fanout)
         if sources == "input":
-            assert np.all(res.tree.source == SOURCE_INPUT)
+            assert set(res.tree.source.tolist()) <= {SOURCE_INPUT, dr.history_source}
         if sources == "datastore":
             assert np.all(res.tree.source >= SOURCE_DATASTORE)
+    from_history = sum(int(np.sum(r.tree.source == dr.history_source)) for r in results)
+    assert (from_history > 0) == (sources != "datastore")  # the history is drafted, except by datastore-only drafts
 
 
 def test_trees_valid_deterministic_and_budgeted(ds, ds2):
@@ -270,10 +305,11 @@ def test_trees_valid_deterministic_and_budgeted(ds, ds2):
 
 
 def test_requests_that_come_and_go_keep_their_own_index(ds):
-    """Slots of stopped requests are reused; a request whose index grows (reallocates) is still read correctly."""
+    """Slots of stopped requests are reused; a request whose index grows (reallocates) is still read correctly.
+    (Without an output history: the stopped requests' outputs would otherwise be drafted, and the reference has none.)"""
     rng = np.random.default_rng(11)
-    dr = Drafter(DrafterConfig(), datastores=[ds])
-    reference = Drafter(DrafterConfig(), datastores=[ds])
+    dr = Drafter(DrafterConfig(history_tokens=0), datastores=[ds])
+    reference = Drafter(DrafterConfig(history_tokens=0), datastores=[ds])
     live: dict[int, list[int]] = {}
     for step in range(60):
         rid = int(rng.integers(0, 24))
@@ -356,3 +392,34 @@ def test_bad_input_errors(ds):
         DrafterConfig(sources="both")
     with pytest.raises(ValueError, match="differs from the datastores"):
         Drafter(DrafterConfig(), datastores=[ds], vocab_size=VOCAB + 1)
+
+
+def test_output_history_drafts_earlier_outputs_never_prompts_nor_across_outputs():
+    dr = Drafter(DrafterConfig(sources="input"), vocab_size=60)
+    for rid, prompt, output in (("a", [1, 2, 3], [10, 11, 12, 13, 14, 15]), ("c", [4], [30, 31, 32]), ("d", [5], [40, 41])):
+        dr.start_request(rid, prompt)
+        dr.extend(rid, output)
+        dr.stop_request(rid)
+
+    def draft(prompt, budget=4):
+        dr.start_request("q", prompt)
+        try:
+            return dr.draft([("q", budget)])[0]
+        finally:
+            dr.stop_request("q")  # no output: adds nothing to the history
+
+    tree = draft([20, 21, 10, 11])  # the last tokens occur only in request a's output
+    assert tree.tokens.tolist() == [12, 13, 14, 15] and tree.parents.tolist() == [-1, 0, 1, 2]
+    assert np.all(tree.source == dr.history_source)
+    assert 40 not in draft([50, 31, 32]).tokens.tolist()  # c's output ends there; d's output is not its continuation
+    assert len(draft([50, 1, 2])) == 0  # a's prompt is not remembered
+    dr.clear_history()
+    assert len(draft([20, 21, 10, 11])) == 0
+    off = Drafter(DrafterConfig(sources="input", history_tokens=0), vocab_size=60)
+    off.start_request("a", [1])
+    off.extend("a", [10, 11, 12])
+    off.stop_request("a")
+    off.start_request("q", [10, 11])
+    assert len(off.draft([("q", 4)])[0]) == 0
+    with pytest.raises(ValueError, match="history_tokens"):
+        DrafterConfig(history_tokens=-1)

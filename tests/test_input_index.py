@@ -120,3 +120,43 @@ def test_long_stream_grows_linearly():
         idx.extend("r", rng.integers(0, 50, 10))
     assert idx.num_tokens("r") == 2100
     assert idx.num_nodes("r") <= 1 + idx.window * 2100
+
+
+def test_output_history_keeps_outputs_not_prompts_newest_whole_outputs_first():
+    idx = InputIndex(query_len=2, depth=3, history_tokens=50)
+    outputs = [list(range(100 * i, 100 * i + 20)) for i in range(1, 4)]
+    for i, out in enumerate(outputs):
+        idx.start_request(i, [7, 8, 9])
+        idx.extend(i, out[:5])
+        idx.extend(i, out[5:])
+        idx.stop_request(i)
+        kept = [o.tolist() for o in idx.history()]
+        assert sum(map(len, kept)) <= 50
+        assert kept == outputs[i + 1 - len(kept) : i + 1]  # the newest whole outputs, oldest first
+    assert [o.tolist() for o in idx.history()] == outputs[2:]  # 60 tokens > 50: the oldest two were dropped
+    idx.start_request("never-extended", [1, 2, 3])
+    idx.stop_request("never-extended")  # no output: nothing remembered
+    assert len(idx.history()) == 1
+    idx.clear_history()
+    assert idx.history() == []
+
+
+def test_output_history_of_a_request_past_its_memory_cap_is_its_newest_output():
+    idx = InputIndex(query_len=2, depth=2, max_tokens=64, history_tokens=1000)
+    prompt, output = [900] * 10, list(range(1, 101))
+    idx.start_request("r", prompt)
+    for i in range(0, 100, 7):
+        idx.extend("r", output[i : i + 7])
+    idx.stop_request("r")
+    (kept,) = idx.history()
+    assert kept.tolist() == output[-len(kept):] and len(kept) >= 48  # no prompt token; the newest 3/4 cap or more
+
+
+def test_output_history_off_and_bad_size():
+    idx = InputIndex(query_len=2, depth=2)
+    idx.start_request("r", [1, 2])
+    idx.extend("r", [3, 4])
+    idx.stop_request("r")
+    assert idx.history() == [] and idx.history_slot == -1
+    with pytest.raises(ValueError, match="history_tokens"):
+        InputIndex(query_len=2, depth=2, history_tokens=-1)

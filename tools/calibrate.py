@@ -38,6 +38,7 @@ class RecordingDrafter:
     def __init__(self, drafter: Drafter) -> None:
         self.drafter = drafter
         self.start_request, self.extend, self.stop_request = drafter.start_request, drafter.extend, drafter.stop_request
+        self.clear_history = drafter.clear_history
         self._last = {}
         self.columns: dict[str, list[np.ndarray]] = {k: [] for k in ("source", "depth", "match_len", "score", "accepted")}
 

@@ -82,8 +82,13 @@ def replay(
 ) -> ReplayResult:
     """Replay every trajectory with `drafter` (start_request / extend / stop_request / draft API) at `budget`.
 
-    `on_step(request_id, tree, accepted_nodes)` is called after every step (calibration logging).
+    `on_step(request_id, tree, accepted_nodes)` is called after every step (calibration logging). A drafter with an
+    output history starts with it cleared, so it learns from this call's earlier trajectories only, never from
+    another replay of the same ones.
     """
+    clear_history = getattr(drafter, "clear_history", None)
+    if clear_history is not None:
+        clear_history()
     result = ReplayResult()
     for index, trajectory in enumerate(trajectories):
         output = trajectory.output_ids

@@ -199,11 +199,12 @@ def _start_up_model(deployment: Deployment, coefficients: Sequence[float] | None
 def simulate(deployment: Deployment, workload: Workload, policy: str, drafter, *, host_time: str = "measured",
              max_nodes: int = 64, controller_coefficients: Sequence[float] | None = None) -> SimulationResult:
     """Serve `workload` with `policy` on a simulated `deployment`; `drafter` is a real `Drafter` (state is released
-    per request, so one drafter serves many simulations). The budget controller's step-time model starts from
+    per request and its output history cleared first, so one drafter serves many simulations). The budget controller's step-time model starts from
     `controller_coefficients` when given (what a real controller knew at start-up), else from the deployment's, and
     refits itself online from the simulated steps as the real one does."""
     if host_time not in HOST_TIME:
         raise ValueError(f"host_time must be one of {HOST_TIME}; got {host_time!r}")
+    drafter.clear_history()  # this workload's outputs must not be drafted from another simulation of the same prompts
     clock = SimClock()
     outputs = {tuple(int(t) for t in tr.prompt_ids): tr.output_ids for tr in workload.trajectories}
     eos = sorted({int(tr.output_ids[-1]) for tr in workload.trajectories if tr.finish_reason == "eos"})

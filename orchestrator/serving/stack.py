@@ -146,6 +146,10 @@ class ServingStack:
         policy = BudgetPolicy.parse(text, max_nodes_per_request=self.config.max_nodes_per_request)
         self.orchestrator.budget.policy = policy
 
+    def clear_history(self) -> None:
+        """Forget the drafter's output history (benchmarks that serve the same prompts again). Call while idle."""
+        self.drafter.clear_history()
+
     # -- request building (shared validation for every front end) ------------------------------------------------
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
