@@ -165,7 +165,7 @@ class _Seq:
         self.active = np.full(window, -1, np.int32)
         self.active[0] = 0
         # top_k > 0: top[node * top_k : ...] lists each node's top_k most frequent children, kept as tokens arrive, so
-        # a reader needs not walk a node with hundreds of children (the output history's common tokens)
+        # a reader need not walk a node with hundreds of children (the output history's common tokens)
         self.top_k = top_k
         self.top = np.full(node_cap * top_k, -1, np.int32)
         self.version = 0  # bumped whenever an array is reallocated (the batch tables must re-point to it)
