@@ -148,29 +148,22 @@ def _seed_suffixes(ent, heap, n_ent, n_heap, seq, n_seq, tok, cnt, first, sib, h
         occ = cnt[node] - self_occ
         if occ <= 0:
             continue
-        delta = delta_base + delta_step * m
-        c = first[node] if k == 0 else top[node * k]
-        j = 0
-        while c >= 0:
-            raw = input_scale * cnt[c] / occ
-            key = min(calibrate(src, 1, m, raw, lookup, kx, ky, kn), 1.0)
-            ent, heap = _push(ent, heap, n_ent, n_heap, key, raw, 1, tok[c], c, src, -1, delta, m)
-            n_ent += 1
-            n_heap += 1
-            j += 1
-            c = sib[c] if k == 0 else (top[node * k + j] if j < k else -1)
+        ent, heap, n_ent, n_heap = _push_count_children(
+            ent, heap, n_ent, n_heap, tok, cnt, first, sib, top, k, node, input_scale, occ, 1.0,
+            delta_base + delta_step * m, m, 1, 1.0, src, -1, lookup, kx, ky, kn)
     return ent, heap, n_ent, n_heap
 
 
 @nb.njit(cache=True)
-def _push_count_children(ent, heap, n_ent, n_heap, tok, cnt, first, sib, top, k, ref, raw_p, delta, mlen, depth,
-                         pprob, src, at, lookup, kx, ky, kn):
+def _push_count_children(ent, heap, n_ent, n_heap, tok, cnt, first, sib, top, k, ref, scale, occ, damp, delta, mlen,
+                         depth, pprob, src, at, lookup, kx, ky, kn):
     """Push the children of count-trie node `ref` (all, k = 0; or its k most frequent, from `top`) under tree node
-    `at` (input-style score: damped by `delta`)."""
+    `at` (-1: the root), each scored scale * count / occ * damp (seed: input_scale, earlier occurrences, 1; deeper:
+    the parent's score, the parent's count, its entry's `delta`)."""
     ch = first[ref] if k == 0 else top[ref * k]
     j = 0
     while ch >= 0:
-        raw = raw_p * cnt[ch] / cnt[ref] * delta
+        raw = scale * cnt[ch] / occ * damp
         key = min(calibrate(src, depth, mlen, raw, lookup, kx, ky, kn), pprob)
         ent, heap = _push(ent, heap, n_ent, n_heap, key, raw, depth, tok[ch], ch, src, at, delta, mlen)
         n_ent += 1
@@ -278,12 +271,12 @@ def fuse_one(
                 continue
             if src == 0:
                 ent, heap, n_ent, n_heap = _push_count_children(
-                    ent, heap, n_ent, n_heap, itok, icnt, ifirst, isib, htop, 0, ref, raw_p, delta, mlen, depth, pprob,
-                    src, c, lookup, kx, ky, kn)
+                    ent, heap, n_ent, n_heap, itok, icnt, ifirst, isib, htop, 0, ref, raw_p, icnt[ref], delta, delta,
+                    mlen, depth, pprob, src, c, lookup, kx, ky, kn)
             else:
                 ent, heap, n_ent, n_heap = _push_count_children(
-                    ent, heap, n_ent, n_heap, htok, hcnt, hfirst, hsib, htop, history_top, ref, raw_p, delta, mlen,
-                    depth, pprob, src, c, lookup, kx, ky, kn)
+                    ent, heap, n_ent, n_heap, htok, hcnt, hfirst, hsib, htop, history_top, ref, raw_p, hcnt[ref], delta,
+                    delta, mlen, depth, pprob, src, c, lookup, kx, ky, kn)
         else:
             ch = dfirst[ref]
             while ch >= 0:
