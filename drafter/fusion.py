@@ -16,10 +16,10 @@ Vocabulary
 
 Algorithm (sssd-notes §2.1): push the children of every matched input suffix node (m = q..1), of every matched
 output-history suffix node, and of every datastore root; then pop the best entry (ties: deeper first, then lower
-token, lower source id, longer match, lower tree parent); insert its token under its tree parent, or reuse the existing node with the same token (two sources that
-agree make one node; scores are not summed); a parent already holding `fanout` children rejects new tokens; while the
-tree is below budget, push the popped entry's trie children under the (new or reused) node. Stop at the budget or
-when the heap is empty.
+token, lower source id, longer match, lower tree parent); insert its token under its tree parent, or reuse the
+existing node with the same token (two sources that agree make one node; scores are not summed); a parent already
+holding `fanout` children rejects new tokens; while the tree is below budget, push the popped entry's trie children
+under the (new or reused) node. Stop at the budget or when the heap is empty.
 
 Worked example (budget 2, fanout 5): input matched m=1 with children {x: 3, y: 1} -> keys 0.45, 0.15; the datastore
 root has {x: 60, z: 40} -> keys 0.6, 0.4. Pops: x (0.6, datastore) -> node 0, its datastore children are pushed;
@@ -34,7 +34,6 @@ import numpy as np
 
 from drafter.input_index import trie_child
 
-_HISTORY_MIN_MATCH = 3
 # entry columns (float64 [cap, 9]; integer fields are exact in float64)
 _KEY, _RAW, _DEPTH, _TOK, _REF, _SRC, _AT, _DELTA, _MLEN = range(9)
 

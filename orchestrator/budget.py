@@ -220,7 +220,8 @@ class BudgetController:
             live = set(decision.request_ids)
             self._history = {rid: h for rid, h in self._history.items() if rid in live}  # finished ones leave
             owner = np.repeat(np.arange(len(decision.nodes)), decision.nodes)
-            predicted = np.bincount(owner, weights=self.recalibration(probs, depths, sources), minlength=len(decision.nodes))
+            predicted = np.bincount(owner, weights=self.recalibration(probs, depths, sources),
+                                    minlength=len(decision.nodes))
             realized = np.bincount(owner, weights=accepted, minlength=len(decision.nodes))
             for rid, n, p, r in zip(decision.request_ids, decision.nodes, predicted, realized):
                 if n > 0:

@@ -127,7 +127,8 @@ class OnlineRecalibration:
         self._nodes *= self.decay
         if probs.size:
             n = self.centers.size
-            cells = node_bucket(depths, sources) * n + np.clip(np.searchsorted(_EDGES, probs, side="right") - 1, 0, n - 1)
+            bins = np.clip(np.searchsorted(_EDGES, probs, side="right") - 1, 0, n - 1)
+            cells = node_bucket(depths, sources) * n + bins
             size = self._nodes.size
             self._predicted += np.bincount(cells, weights=probs, minlength=size).reshape(self._nodes.shape)
             self._realized += np.bincount(cells, weights=accepted, minlength=size).reshape(self._nodes.shape)

@@ -154,7 +154,8 @@ def reference_fusion(seq, ds_tries, cfg: DrafterConfig, budget: int, *, use_inpu
         for m, (occ, counts) in matches.items():
             for t in children(counts, (), None if kind == "in" else cfg.fanout):
                 raw = cfg.input_scale * counts[(t,)] / occ
-                push(min(max(raw, 0.0), 1.0), raw, 1, t, src, m, -1, (kind, m, (t,)), cfg.delta_base + cfg.delta_step * m)
+                delta = cfg.delta_base + cfg.delta_step * m
+                push(min(max(raw, 0.0), 1.0), raw, 1, t, src, m, -1, (kind, m, (t,)), delta)
     for k, (counts, mlen) in enumerate(ds_tries):
         if counts.get((), 0) > 0:
             for t in children(counts, ()):
@@ -306,7 +307,8 @@ def test_trees_valid_deterministic_and_budgeted(ds, ds2):
 
 def test_requests_that_come_and_go_keep_their_own_index(ds):
     """Slots of stopped requests are reused; a request whose index grows (reallocates) is still read correctly.
-    (Without an output history: the stopped requests' outputs would otherwise be drafted, and the reference has none.)"""
+    (Without an output history: the stopped requests' outputs would otherwise be drafted, and the reference has
+    none.)"""
     rng = np.random.default_rng(11)
     dr = Drafter(DrafterConfig(history_tokens=0), datastores=[ds])
     reference = Drafter(DrafterConfig(history_tokens=0), datastores=[ds])
@@ -396,7 +398,8 @@ def test_bad_input_errors(ds):
 
 def test_output_history_drafts_earlier_outputs_never_prompts_nor_across_outputs():
     dr = Drafter(DrafterConfig(sources="input"), vocab_size=60)
-    for rid, prompt, output in (("a", [1, 2, 3], [10, 11, 12, 13, 14, 15]), ("c", [4], [30, 31, 32]), ("d", [5], [40, 41])):
+    finished = (("a", [1, 2, 3], [10, 11, 12, 13, 14, 15]), ("c", [4], [30, 31, 32]), ("d", [5], [40, 41]))
+    for rid, prompt, output in finished:
         dr.start_request(rid, prompt)
         dr.extend(rid, output)
         dr.stop_request(rid)
