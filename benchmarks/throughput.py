@@ -10,7 +10,8 @@ generating its reference length with EOS ignored, so every policy does the same 
 and p90 request latency, tau (tokens per request-step) and speedup over `none`; the step-time model's median
 relative error over every step; and losslessness: an fp32 run in which every policy's outputs must equal `none`'s token for token
 (`identical_outputs_fraction`), plus, for the bf16 runs, each divergence from `none` with the gap between the top-2
-target logits at the first differing position (only near-ties may diverge).
+target logits at the first differing position (only near-ties may diverge). The bf16 engine runs batch-invariant
+(`TorchEngine.batch_invariant`), so policies part only where an accepted path left its tree's first-child chain.
 
 Writes benchmarks/results/throughput.json (+ .md, + throughput.png, + throughput_outputs.npz: every row's generated
 tokens, which `benchmarks/simulator_validation.py` replays).
@@ -240,6 +241,7 @@ def run(sets: list[str], caps: list[int], policies: list[str], *, prompts_per_ca
     identity = (identity_check(sets, policies, identity_prompts, max_tokens=min(max_tokens, 48)) if identity_prompts
                 else None)
     return {"rows": rows, "bf16_divergences": divergences, "step_fit_error": fit_error,
+            "batch_invariant": engine.batch_invariant,
             "output_lengths": "reference",  # each request: its recorded trajectory's length, EOS ignored
             "prompt_sample": "spread",  # a row's prompts: `tools.trajectories.spread` over the eval set
             "step_model_median_abs_err": float(np.median(all_errors)) if all_errors else None,
@@ -322,7 +324,9 @@ def write_markdown(path: Path, result: dict) -> None:
     lines = [
         "# Offline throughput: speculation policies side by side",
         "",
-        f"Command: `{result['command']}`. Model: SmolLM2-135M-Instruct, bf16, TorchEngine on {result['machine']}.",
+        f"Command: `{result['command']}`. Model: SmolLM2-135M-Instruct, bf16, TorchEngine on {result['machine']}"
+        + (" in batch-invariant numerics (a token's logits do not depend on the batch or the tree it is verified in)."
+           if result.get("batch_invariant") else "."),
         (f"Each request generates its reference length (its recorded greedy output's, at most {result['max_tokens']} "
          "tokens), EOS ignored, so every policy does the same work (in bf16 outputs may part at near-ties); "
          if result.get("output_lengths") == "reference" else f"{result['max_tokens']} new tokens per request; ")

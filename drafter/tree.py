@@ -89,8 +89,9 @@ class DraftTree:
                          source=self.source[:n])
 
     def subtree(self, keep: np.ndarray) -> "DraftTree":
-        """The nodes `keep` (increasing indices, closed under ancestors), re-indexed parents-first. Depths carry
-        over, so no per-node pass is needed (the budget controller prunes every request's tree every step)."""
+        """The nodes `keep` (closed under ancestors, every parent listed before its children: increasing indices, or
+        `depth_first_order()`), re-indexed in that order. Depths carry over, so no per-node pass is needed (the budget
+        controller prunes every request's tree every step)."""
         keep = np.asarray(keep, dtype=np.int64)
         remap = np.full(len(self), -1, np.int32)
         remap[keep] = np.arange(keep.size, dtype=np.int32)
@@ -100,6 +101,28 @@ class DraftTree:
             raise InvalidTreeError("subtree: a kept node's parent was not kept")
         return DraftTree(tokens=self.tokens[keep], parents=new_parents, probs=self.probs[keep],
                          depth=self.depth[keep], source=self.source[keep])
+
+    def depth_first_order(self) -> np.ndarray:
+        """int64 [n]: the nodes in depth-first preorder, children in index order (most probable first). In this
+        order the path that always follows the first child is contiguous from the start, and every other root path
+        is contiguous up to where it leaves that one: engines lay out tree slots this way (see `TorchEngine.verify`).
+        Vectorised over nodes, one pass per depth level."""
+        n = len(self)
+        if n == 0:
+            return np.zeros(0, np.int64)
+        max_depth = int(self.depth.max())
+        # key[i, d]: node i's ancestor at depth d + 1 (itself at its own depth), -1 past its depth: sorting the rows
+        # lexicographically gives preorder, since an ancestor's row is a prefix of its descendants'.
+        key = np.full((n, max_depth), -1, np.int64)
+        node = np.arange(n)
+        level = self.depth.astype(np.int64) - 1
+        alive = np.ones(n, bool)
+        while alive.any():
+            key[np.flatnonzero(alive), level[alive]] = node[alive]
+            node = np.where(alive, self.parents[node], -1)
+            level -= 1
+            alive = node >= 0
+        return np.lexsort(key.T[::-1])
 
     @property
     def expected_accepted(self) -> float:

@@ -33,7 +33,10 @@ def engine():
     from trt_engines.torch_engine import TorchEngine
 
     torch.set_num_threads(2)
-    return TorchEngine("default", dtype=torch.float32, num_blocks=NUM_BLOCKS, block_size=BLOCK, max_context=1024)
+    # batch-invariant numerics (the bf16 default) with fp32's margin: the lossless tests below exercise the
+    # depth-first slot layout with adversarial trees; the other test modules' fp32 engines run the fused kernel
+    return TorchEngine("default", dtype=torch.float32, num_blocks=NUM_BLOCKS, block_size=BLOCK, max_context=1024,
+                       batch_invariant=True)
 
 
 def _uid(prefix: str = "r") -> str:
@@ -398,4 +401,63 @@ def test_grouped_attention_answers_each_request_as_if_verified_alone(engine):
     finally:
         for rid in ids:
             engine.release(rid)
+    assert engine.free_blocks() == NUM_BLOCKS
+
+
+@pytest.fixture(scope="module")
+def engine_bf16():
+    from trt_engines.torch_engine import TorchEngine
+
+    return TorchEngine("default", dtype=torch.bfloat16, num_blocks=NUM_BLOCKS, block_size=BLOCK, max_context=1024)
+
+
+def test_bf16_logits_do_not_depend_on_the_batch_or_the_tree(engine_bf16):
+    # Batch invariance: a token's bf16 logits are bitwise those of plain decoding whether it is verified in a tree
+    # (first-child chain, decoy branches after it) or next to requests of other contexts with trees of their own, so
+    # speculative decoding in bf16 emits plain decoding's text.
+    engine = engine_bf16
+    assert engine.batch_invariant  # the CPU default
+    rng = np.random.default_rng(3)
+    prompt, others = _prompt(rng, 150), [_prompt(rng, 40), _prompt(rng, 300)]
+    steps = 24
+    rid = _uid("inv")
+    first_root = engine.add_request(rid, prompt)
+    tokens, want = [], []  # want[k]: logits at the k-th root, which predict tokens[k]
+    try:
+        for _ in range(steps):
+            res = engine.verify([VerifyItem(rid, DraftTree.empty())], return_logits=True).results[0]
+            want.append(res.logits[0])
+            tokens.append(int(res.target_tokens[0]))
+            engine.commit(rid, [], next_root=tokens[-1])
+    finally:
+        engine.release(rid)
+    assert engine.add_request(rid, prompt) == first_root
+    other_ids = [_uid("inv") for _ in others]
+    for oid, p in zip(other_ids, others):
+        engine.add_request(oid, p)
+    got = []
+    try:
+        while len(got) < steps:
+            done = len(got)  # the root now is the one plain decoding had at step `done`
+            path = tokens[done: done + min(int(rng.integers(0, 4)), steps - 1 - done)]
+            n = len(path)  # the tree: this first-child chain, then decoy branches and a decoy below it
+            decoys = int(rng.integers(1, 5))
+            tree = DraftTree.from_arrays(
+                tokens=path + rng.integers(0, VOCAB, decoys + 1).tolist(),
+                parents=list(range(-1, n - 1)) + [int(rng.integers(-1, n)) for _ in range(decoys)] + [n - 1 if n else -1])
+            items = [VerifyItem(rid, tree)] + [VerifyItem(oid, _tree(rng, "random", [])) if rng.random() < 0.5
+                                               else VerifyItem(oid, DraftTree.empty()) for oid in other_ids]
+            rng.shuffle(items)
+            out = {r.request_id: r for r in engine.verify(items, return_logits=True).results}
+            mine = out[rid]
+            got += [mine.logits[0]] + [mine.logits[1 + i] for i in range(n)]
+            assert mine.target_tokens[: n + 1].tolist() == tokens[done: done + n + 1]
+            engine.commit(rid, list(range(n)), next_root=int(mine.target_tokens[n]))
+            for oid in other_ids:
+                engine.commit(oid, [], next_root=int(out[oid].target_tokens[0]))
+        for position, (g, w) in enumerate(zip(got, want)):
+            assert torch.equal(g, w), f"position {position}: max |diff| {(g - w).abs().max().item()}"
+    finally:
+        for r in [rid] + other_ids:
+            engine.release(r)
     assert engine.free_blocks() == NUM_BLOCKS

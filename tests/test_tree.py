@@ -95,3 +95,28 @@ def test_subtree_keeps_depths_and_refuses_an_orphan():
     assert sub.tokens.tolist() == [5, 6, 8] and sub.parents.tolist() == [-1, 0, -1] and sub.depth.tolist() == [1, 2, 1]
     with pytest.raises(InvalidTreeError, match="parent was not kept"):
         tree.subtree(np.array([0, 2]))  # node 2's parent (1) is missing
+
+
+@settings(max_examples=100, deadline=None)
+@given(trees())
+def test_depth_first_order_is_preorder_with_the_first_child_chain_first(tree):
+    order = tree.depth_first_order()
+    n = len(tree)
+    assert sorted(order.tolist()) == list(range(n))
+    laid = tree.subtree(order)
+    laid.validate()  # parents before children, depths carried over
+    assert np.array_equal(laid.tokens, tree.tokens[order]) and np.array_equal(laid.depth, tree.depth[order])
+    # preorder: every node's subtree is one contiguous run right after it
+    ancestors = [_ancestors_or_self(laid, j) for j in range(n)]
+    for i in range(n):
+        inside = [j for j in range(n) if i in ancestors[j]]
+        assert inside == list(range(i, i + len(inside)))
+    # siblings keep their index order (most probable first), so the first-child chain is the prefix
+    chain, node = [], -1
+    while True:
+        children = np.flatnonzero(tree.parents == node)
+        if children.size == 0:
+            break
+        node = int(children[0])
+        chain.append(node)
+    assert order[: len(chain)].tolist() == chain

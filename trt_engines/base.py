@@ -93,6 +93,7 @@ class VerifyItem:
 class VerifyResult:
     request_id: object
     target_tokens: np.ndarray  # int32 [n + 1]: target token after the root, then after each node
+    logits: "object | None" = None  # fp32 [n + 1, vocab] in the same order, when the engine was asked for them
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,10 @@ Vocabulary:
     slot        one token's K/V row. Slot s of a request lives in block `table[s // block_size]`, row
                 `s % block_size`; its *flat slot* (index into the pool viewed as [num_blocks * block_size, ...])
                 is `table[s // block_size] * block_size + s % block_size`.
-    pool        one tensor [n_layers, 2 (K, V), num_blocks, block_size, n_kv_heads, head_dim]; `keys(l)` and
-                `values(l)` are the per-layer pools [num_blocks, block_size, n_kv_heads, head_dim] (views).
+    pool        one tensor [n_layers, 2 (K, V), n_kv_heads, num_blocks, block_size, head_dim], head-major: gathering
+                a call's blocks gives each KV head's keys as one [requests, keys, head_dim] run, which the attention
+                matmuls read in place (token-major blocks had to be transposed into a copy for every layer).
+                `keys(l)` and `values(l)` are the per-layer pools [n_kv_heads, num_blocks, block_size, head_dim].
 
 Example (block_size 4): a request with 6 cached tokens holds 2 blocks, say table [7, 2]; its slot 5 is flat slot
 2 * 4 + 1 = 9. Admission asks `blocks_needed(prompt + max_new)` <= `free_blocks()`.
@@ -34,8 +36,8 @@ class PagedKVCache:
             raise ValueError(f"num_blocks and block_size must be >= 1; got {num_blocks}, {block_size}")
         self.num_blocks, self.block_size = num_blocks, block_size
         # zeros (calloc) commits memory lazily on CPU, so an oversized pool costs nothing until used.
-        self.pool = torch.zeros(n_layers, 2, num_blocks, block_size, n_kv_heads, head_dim, dtype=dtype, device=device)
-        self._flat = self.pool.view(n_layers, 2, num_blocks * block_size, n_kv_heads, head_dim)
+        self.pool = torch.zeros(n_layers, 2, n_kv_heads, num_blocks, block_size, head_dim, dtype=dtype, device=device)
+        self._flat = self.pool.view(n_layers, 2, n_kv_heads, num_blocks * block_size, head_dim)
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low block ids first
         self.tables: dict[object, list[int]] = {}
 
@@ -46,7 +48,7 @@ class PagedKVCache:
         return self.pool[layer, 1]
 
     def flat(self, layer: int, kind: int) -> Tensor:
-        """[num_blocks * block_size, n_kv_heads, head_dim] view of layer `layer`'s keys (kind 0) or values (1)."""
+        """[n_kv_heads, num_blocks * block_size, head_dim] view of layer `layer`'s keys (kind 0) or values (1)."""
         return self._flat[layer, kind]
 
     def free_blocks(self) -> int:
@@ -89,24 +91,30 @@ class PagedKVCache:
         return np.asarray(self.tables[request_id][: self.blocks_needed(num_slots)], dtype=np.int64)
 
     def block_buffer(self, num_blocks: int) -> Tensor:
-        """An uninitialised [2 (K, V), num_blocks, block_size, n_kv_heads, head_dim] tensor for `gather_blocks`."""
-        return self.pool.new_empty((2, num_blocks) + tuple(self.pool.shape[3:]))
+        """An uninitialised buffer for up to `num_blocks` blocks of K and V (`gather_blocks` views it)."""
+        _, _, heads, _, block_size, head_dim = self.pool.shape
+        return self.pool.new_empty(2 * heads * num_blocks * block_size * head_dim)
 
-    def gather_blocks(self, layer: int, block_ids: Tensor, out: Tensor) -> None:
-        """Copy blocks `block_ids` of layer `layer`'s K and V into `out` (from `block_buffer`): one memcpy per block,
-        where per-token gathers into fresh tensors cost more than the attention that reads them on CPU."""
+    def gather_blocks(self, layer: int, block_ids: Tensor, buffer: Tensor) -> Tensor:
+        """Layer `layer`'s K and V of blocks `block_ids`, copied into `buffer` (from `block_buffer`) and returned as
+        [2 (K, V), n_kv_heads, len(block_ids) * block_size, head_dim]: one memcpy per block and head, where
+        per-token gathers into fresh tensors cost more than the attention that reads them on CPU."""
+        _, _, heads, _, block_size, head_dim = self.pool.shape
+        n = len(block_ids)
+        out = buffer[: 2 * heads * n * block_size * head_dim].view(2, heads, n, block_size * head_dim)
         for kind in (0, 1):
-            blocks = self.pool[layer, kind]
-            torch.index_select(blocks.view(self.num_blocks, -1), 0, block_ids, out=out[kind].view(len(block_ids), -1))
+            blocks = self.pool[layer, kind].view(heads, self.num_blocks, -1)
+            torch.index_select(blocks, 1, block_ids, out=out[kind])
+        return out.view(2, heads, n * block_size, head_dim)
 
     def move(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Copy the K/V rows of flat slots `src` to `dst` in every layer (reads all sources before writing)."""
         if len(src):
             src_t = torch.as_tensor(src, device=self.pool.device)
             dst_t = torch.as_tensor(dst, device=self.pool.device)
-            self._flat[:, :, dst_t] = self._flat[:, :, src_t]
+            self._flat[:, :, :, dst_t] = self._flat[:, :, :, src_t]
 
     def gather(self, request_id, num_slots: int) -> Tensor:
         """[n_layers, 2, num_slots, n_kv_heads, head_dim] copy of the request's first `num_slots` slots (tests)."""
         idx = torch.as_tensor(self.flat_slots(request_id, 0, num_slots), device=self.pool.device)
-        return self._flat[:, :, idx].clone()
+        return self._flat[:, :, :, idx].transpose(2, 3).clone()

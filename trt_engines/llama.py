@@ -136,6 +136,21 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (xf * cos[:, None, :] + rotated * sin[:, None, :]).to(x.dtype)
 
 
+class Linear(nn.Linear):
+    """`nn.Linear` whose output rows never depend on how many rows are computed together (batch invariance).
+
+    On the CPU a one-row product runs a matrix-vector kernel whose summation order differs from the matrix-matrix
+    kernel's, so in bf16 a token's hidden state can differ in the last bit between a step that decodes it alone and one
+    that verifies it with draft tokens; near-tied logits then flip and the output diverges. Every row count >= 2
+    gives bitwise the same rows (measured with oneDNN's bf16 kernels), so a single row is computed as two: the cost
+    is the same (the weights are read once either way)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dim() == 2 and x.shape[0] == 1:
+            return F.linear(x.expand(2, -1), self.weight, self.bias)[:1]
+        return F.linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -154,8 +169,8 @@ class Attention(nn.Module):
         self.args = args
         q_out, kv_out = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
         # q, k and v share one matmul; `load_weights` concatenates the checkpoint's three projections.
-        self.wqkv = nn.Linear(args.dim, q_out + 2 * kv_out, bias=args.attention_bias)
-        self.wo = nn.Linear(q_out, args.dim, bias=False)
+        self.wqkv = Linear(args.dim, q_out + 2 * kv_out, bias=args.attention_bias)
+        self.wo = Linear(q_out, args.dim, bias=False)
         self.split = (q_out, kv_out, kv_out)
 
     def forward(self, layer: int, x: Tensor, cos: Tensor, sin: Tensor, attention: AttentionFn) -> Tensor:
@@ -169,8 +184,8 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=args.mlp_bias)  # gate and up, fused
-        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=args.mlp_bias)
+        self.w13 = Linear(args.dim, 2 * args.intermediate_size, bias=args.mlp_bias)  # gate and up, fused
+        self.w2 = Linear(args.intermediate_size, args.dim, bias=args.mlp_bias)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.w13(x).chunk(2, dim=-1)
@@ -199,7 +214,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output = Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
         inv_freq, self.rope_scale = rope_inv_freq(args)

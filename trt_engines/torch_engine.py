@@ -3,10 +3,10 @@
 One `verify` = one forward for the whole batch. Every request contributes the segment [root, nodes...]; the
 segments are packed along the token axis for every linear layer (no padding). Attention is the only per-request
 part: each request reads its cached context plus its own new tokens, through a mask in which every node sees the
-context, the root, its ancestors and itself (`DraftTree.attention_mask`). That part runs as a few padded SDPA calls
-per layer, each over requests of similar shape (`trt_engines.attention_groups`: queries padded to the call's largest
-segment, keys to its longest context, gathered block by block), so one deep tree does not make the whole batch
-compute its rows.
+context, the root, its ancestors and itself (`DraftTree.attention_mask`). That part runs as a few padded attention
+calls per layer, each over requests of similar shape (`trt_engines.attention_groups`: queries padded to the call's
+largest segment, keys to its longest context, gathered block by block), so one deep tree does not make the whole
+batch compute its rows.
 
 KV bookkeeping for one request with `ctx_len` cached tokens and a tree of n nodes:
 
@@ -17,6 +17,21 @@ KV bookkeeping for one request with `ctx_len` cached tokens and a tree of n node
                                       blocks past the new context return to the free list.
 
 A request may be verified again before `commit` (the temporary slots are simply overwritten).
+
+Batch invariance (`batch_invariant`, default for bf16 on the CPU): a token's bf16 logits come out bitwise the same
+whether it is decoded alone, verified in a tree, or batched next to other requests, so speculative decoding in bf16
+emits exactly plain decoding's text, and every policy of a benchmark decodes the same text (without it, the fused
+kernels' shape-dependent rounding flips near-tied logits and most long outputs drift from plain decoding's). Cost
+on the CPU (SmolLM2-135M, interleaved against the fused kernel): a plain step of one request +7%, a tree step of
+one request +0-3%, batches of 4-32 within +-5%. Three parts:
+- linear layers never run one row alone (`llama.Linear`);
+- attention is two bf16 matmuls around an fp32 softmax (`_batch_invariant_attention`) instead of the fused SDPA
+  kernel, whose blocking follows the call's shape;
+- tree slots are laid out depth-first (`DraftTree.depth_first_order`), so an accepted path that always takes the
+  first (most probable) child has its keys at the positions plain decoding gives them. A path that leaves the
+  first-child chain sees its later keys behind masked-out siblings; its sums run in another order and can differ in
+  the last bit (the output is still lossless against the tree step's own logits).
+Prefills stay on the fused kernel: each runs one request alone, the same way for every policy.
 """
 
 from __future__ import annotations
@@ -55,6 +70,7 @@ class _Request:
     ctx_len: int  # tokens whose K/V are cached
     root: int  # last accepted token, not cached yet
     pending: DraftTree | None = None  # tree of the last verify, until commit
+    slot_of: np.ndarray | None = None  # pending node -> its slot offset when laid out in another order
 
 
 @dataclass(frozen=True)
@@ -70,14 +86,18 @@ class _Segment:
 
 
 class _AttentionCall:
-    """One SDPA call over some requests of a step: their blocks, padded query rows and mask."""
+    """One attention call over some requests of a step: their blocks, padded query rows and mask. `whole_blocks`:
+    the keys are every slot of the gathered blocks (the last block's unused slots masked), so the matmuls read the
+    gathered keys in place instead of a strided slice of them."""
 
     def __init__(self, cache: PagedKVCache, segments: Sequence[_Segment], members: np.ndarray, offsets: np.ndarray,
-                 *, group: int, dtype: torch.dtype, device: torch.device):
+                 *, group: int, dtype: torch.dtype, device: torch.device, whole_blocks: bool = False):
         lens = [len(segments[i].tokens) for i in members]
         self.B, self.Tq = len(members), max(lens)
         self.L = max(segments[i].ctx_len + n for i, n in zip(members, lens))
         self.n_blocks = cache.blocks_needed(self.L)
+        if whole_blocks:
+            self.L = self.n_blocks * cache.block_size
         blocks = np.zeros((self.B, self.n_blocks), np.int64)  # pad with block 0; its keys are masked out below
         mask = np.zeros((self.B, self.Tq, self.L), bool)
         for b, (i, n) in enumerate(zip(members, lens)):
@@ -104,29 +124,54 @@ class _AttentionCall:
         else:
             # Additive mask in the compute dtype, made once: a bool mask would be converted inside every layer's SDPA.
             m = torch.zeros(mask.shape, dtype=dtype).masked_fill_(torch.as_tensor(~mask), -math.inf).to(device)
-            # GQA: the `group` query heads sharing a KV head are stacked along the query axis (see __call__).
-            self.mask = m[:, None, None].expand(self.B, 1, group, self.Tq, self.L).reshape(
-                self.B, 1, group * self.Tq, self.L)
+            # GQA: the `group` query heads sharing a KV head are stacked along the query axis; one mask for every
+            # KV head (the leading axis, see `_PagedAttention.__call__`).
+            self.mask = m[None, :, None].expand(1, self.B, group, self.Tq, self.L).reshape(
+                1, self.B, group * self.Tq, self.L)
+
+
+def _batch_invariant_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None) -> Tensor:
+    """SDPA's result ([B, heads, rows, D]) computed so that a query row's output never depends on the other rows of
+    the call, on the other requests in it, or on how many masked keys follow its own.
+
+    The fused SDPA kernel splits queries and keys into blocks whose sizes follow the call's shape, so the same token
+    gets last-bit-different attention in a plain step and in a step that verifies a tree, or next to a request with
+    a longer context; in bf16 that is enough to flip near-tied logits and let speculative and plain decoding emit
+    different text. Here the two products are separate bf16 matmuls (fp32 accumulation inside) around an fp32
+    softmax. Measured with oneDNN's bf16 kernels and PyTorch's vectorised softmax: a row's result does not change with
+    the number of rows (from 2 on; single-row calls are computed as two), the batch, or masked keys after its own
+    (weight exactly 0), so a plain step and a tree step that puts the row's keys at the same positions agree bitwise.
+    The scaled queries and the scores are rounded to the compute dtype, as in Hugging Face's eager attention."""
+    if q.shape[-2] == 1:
+        mask = None if attn_mask is None else attn_mask.expand(*attn_mask.shape[:-2], 2, attn_mask.shape[-1])
+        return _batch_invariant_attention(q.expand(*q.shape[:-2], 2, q.shape[-1]), k, v, mask)[..., :1, :]
+    scores = torch.matmul(q * q.shape[-1] ** -0.5, k.transpose(-1, -2))
+    if attn_mask is not None:
+        scores += attn_mask  # 0 or -inf: exact in any dtype
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 class _PagedAttention:
     """Attention fn for one packed forward over `segments` (see `trt_engines.llama.AttentionFn`).
 
     Built once per forward (index tensors, masks, gather buffer), then called once per layer: write the new K/V
-    into their slots; then per SDPA call (`plan_attention_groups`: requests of similar tree size and context share
-    one) gather its requests' blocks [context + new] into a padded batch and run one SDPA with its mask. The gather
-    copies whole blocks (`PagedKVCache.gather_blocks`) into one buffer reused by every call and layer.
+    into their slots; then per attention call (`plan_attention_groups`: requests of similar tree size and context
+    share one) gather its requests' blocks [context + new] into a padded batch and run one attention with its mask
+    (fused SDPA, or `_batch_invariant_attention`). The gather copies whole blocks of each KV head
+    (`PagedKVCache.gather_blocks`) into one buffer reused by every call and layer.
     """
 
     def __init__(self, cache: PagedKVCache, segments: Sequence[_Segment], *, group: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, batch_invariant: bool = False):
         self.cache, self.group = cache, group
+        self.attend = _batch_invariant_attention if batch_invariant else F.scaled_dot_product_attention
         lens = np.array([len(s.tokens) for s in segments], np.int64)
         keys = np.array([s.ctx_len for s in segments], np.int64) + lens
         offsets = np.concatenate([[0], np.cumsum(lens)[:-1]])
         write = [cache.flat_slots(s.request_id, s.ctx_len, s.ctx_len + len(s.tokens)) for s in segments]
         self.write = torch.as_tensor(np.concatenate(write), device=device)
-        self.calls = [_AttentionCall(cache, segments, members, offsets, group=group, dtype=dtype, device=device)
+        self.calls = [_AttentionCall(cache, segments, members, offsets, group=group, dtype=dtype, device=device,
+                                     whole_blocks=batch_invariant)
                       for members in plan_attention_groups(lens, keys)]
         self.buffer = cache.block_buffer(max(c.B * c.n_blocks for c in self.calls))
 
@@ -134,25 +179,24 @@ class _PagedAttention:
         g = self.group
         T, H, D = q.shape
         KV = k.shape[1]
-        kf, vf = self.cache.flat(layer, 0), self.cache.flat(layer, 1)
-        kf.index_copy_(0, self.write, k.to(kf.dtype))
-        vf.index_copy_(0, self.write, v.to(vf.dtype))
+        kf, vf = self.cache.flat(layer, 0), self.cache.flat(layer, 1)  # [KV, slots, D]
+        kf.index_copy_(1, self.write, k.transpose(0, 1).to(kf.dtype))
+        vf.index_copy_(1, self.write, v.transpose(0, 1).to(vf.dtype))
         out = None
         for call in self.calls:
             B, Tq, L = call.B, call.Tq, call.L
-            buffer = self.buffer[:, : B * call.n_blocks]
-            self.cache.gather_blocks(layer, call.blocks, buffer)
-            kv = buffer.view(2, B, -1, KV, D)[:, :, :L].transpose(2, 3)  # [2, B, KV, L, D]
+            kv = self.cache.gather_blocks(layer, call.blocks, self.buffer)  # [2, KV, B * blocks * block_size, D]
+            kv = kv.view(2, KV, B, -1, D)[:, :, :, :L]  # [2, KV, B, L, D]: KV heads outermost, read in place
             if call.padded:
                 qc = q.index_select(0, call.src)
             elif call.identity:
                 qc = q
             else:
                 qc = q.index_select(0, call.rows)
-            # [B, Tq, KV, g, D] -> [B, KV, g * Tq, D]: no K/V repeat needed for GQA.
-            qc = qc.view(B, Tq, KV, g, D).permute(0, 2, 3, 1, 4).reshape(B, KV, g * Tq, D)
-            o = F.scaled_dot_product_attention(qc, kv[0], kv[1], attn_mask=call.mask)
-            o = o.view(B, KV, g, Tq, D).permute(0, 3, 1, 2, 4).reshape(B * Tq, H * D)
+            # [B, Tq, KV, g, D] -> [KV, B, g * Tq, D]: no K/V repeat needed for GQA.
+            qc = qc.view(B, Tq, KV, g, D).permute(2, 0, 3, 1, 4).reshape(KV, B, g * Tq, D)
+            o = self.attend(qc, kv[0], kv[1], attn_mask=call.mask)
+            o = o.view(KV, B, g, Tq, D).permute(1, 3, 0, 2, 4).reshape(B * Tq, H * D)
             if call.padded:
                 o = o.index_select(0, call.keep)
             if call.identity:
@@ -206,9 +250,16 @@ class TorchEngine:
         num_blocks: int | None = None,
         block_size: int = 16,
         max_context: int | None = None,
+        batch_invariant: bool | None = None,
     ):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype
+        # Verify steps in batch-invariant numerics (module docstring): the default for bf16 on the CPU, where it was
+        # measured to hold. fp32 matmuls (MKL) round rows differently by row count, so there it would only cost, and
+        # fp32 rarely needs it (near-ties close enough to flip are rare); CUDA keeps the fused SDPA kernels.
+        if batch_invariant is None:
+            batch_invariant = self.device.type == "cpu" and dtype == torch.bfloat16
+        self.batch_invariant = bool(batch_invariant)
         if isinstance(model, Transformer):  # an already built model (e.g. `Transformer.random` for timing studies)
             self.model = model
         else:
@@ -295,8 +346,9 @@ class TorchEngine:
         return req.root
 
     @torch.inference_mode()
-    def verify(self, items: Sequence[VerifyItem]) -> VerifyOutput:
-        """Target tokens at the root and every node of every item's tree, in one forward over the whole batch."""
+    def verify(self, items: Sequence[VerifyItem], *, return_logits: bool = False) -> VerifyOutput:
+        """Target tokens at the root and every node of every item's tree, in one forward over the whole batch;
+        `return_logits` also returns each item's fp32 logits (`VerifyResult.logits`)."""
         t0 = time.perf_counter()
         items = list(items)
         if not items:
@@ -327,24 +379,40 @@ class TorchEngine:
                     rid, f"the batch needs {extra} more KV blocks than the {self.kv.free_blocks()} free: "
                     "verify fewer nodes or requests, or release a request"
                 )
-        segments = []
+        segments, layouts = [], []
         for item in items:
             req, tree = self._requests[item.request_id], item.tree
             self.kv.ensure(item.request_id, req.ctx_len + len(tree) + 1)
+            # Slots in depth-first order (`DraftTree.depth_first_order`): an accepted path that follows first children
+            # has its keys at the positions plain decoding gives them, so batch-invariant numerics hold for it.
+            order = tree.depth_first_order() if self.batch_invariant else None
+            if order is not None and np.array_equal(order, np.arange(len(tree))):
+                order = None  # chains and most small trees are laid out that way already
+            if order is not None:
+                tree = tree.subtree(order)
+            layouts.append(order)
             tokens = np.concatenate([[req.root], tree.tokens]).astype(np.int64)
             positions = req.ctx_len + tree.position_offsets().astype(np.int64)
             segments.append(_Segment(item.request_id, req.ctx_len, tokens, positions, tree.attention_mask()))
         t1 = time.perf_counter()
-        hidden = self._forward(segments)
+        hidden = self._forward(segments, batch_invariant=self.batch_invariant)
         logits = self.model.logits(hidden)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t2 = time.perf_counter()
         targets = self._sample(segments, logits)
+        per_item = logits.split([len(s.tokens) for s in segments]) if return_logits else [None] * len(items)
         results = []
-        for item, seg, tok in zip(items, segments, targets):
-            self._requests[item.request_id].pending = item.tree
-            results.append(VerifyResult(item.request_id, tok))
+        for item, order, tok, rows in zip(items, layouts, targets, per_item):
+            req = self._requests[item.request_id]
+            req.pending, req.slot_of = item.tree, None
+            if order is not None:  # back to the caller's node order; commit maps nodes to slots
+                req.slot_of = np.empty(len(order), np.int64)
+                req.slot_of[order] = np.arange(len(order))
+                tok = np.concatenate([tok[:1], tok[1:][req.slot_of]])
+                if rows is not None:
+                    rows = rows[torch.as_tensor(np.concatenate([[0], req.slot_of + 1]), device=rows.device)]
+            results.append(VerifyResult(item.request_id, tok, None if rows is None else rows.clone()))
         t3 = time.perf_counter()
         timings = {
             "prepare_ms": (t1 - t0) * 1e3, "forward_ms": (t2 - t1) * 1e3, "sample_ms": (t3 - t2) * 1e3,
@@ -374,7 +442,8 @@ class TorchEngine:
             expected_parent = node
         self._check_ids(request_id, [next_root], "next_root")
         ctx = req.ctx_len
-        src = self.kv.flat_slots(request_id, ctx, ctx + len(tree) + 1)[np.concatenate([[0], acc + 1])]
+        slots = acc if req.slot_of is None else req.slot_of[acc]
+        src = self.kv.flat_slots(request_id, ctx, ctx + len(tree) + 1)[np.concatenate([[0], slots + 1])]
         dst = self.kv.flat_slots(request_id, ctx, ctx + 1 + acc.size)
         moved = src != dst  # an accepted chain prefix is already in place
         with torch.inference_mode():
@@ -382,7 +451,7 @@ class TorchEngine:
         req.ctx_len = ctx + 1 + int(acc.size)
         self.kv.shrink(request_id, req.ctx_len)
         req.root = int(next_root)
-        req.pending = None
+        req.pending, req.slot_of = None, None
 
     def release(self, request_id) -> None:
         self._get(request_id)
@@ -430,7 +499,7 @@ class TorchEngine:
         for layer in range(self.args.n_layers):
             for kind in (0, 1):
                 flat = self.kv.flat(layer, kind)
-                flat[idx] = torch.randn(ctx_len, *flat.shape[1:], device=self.device).to(flat.dtype)
+                flat[:, idx] = torch.randn(flat.shape[0], ctx_len, flat.shape[2], device=self.device).to(flat.dtype)
         gen = None if sampling.greedy else torch.Generator(device=self.device).manual_seed(sampling.seed or 0)
         self._requests[request_id] = _Request(sampling=sampling, generator=gen, ctx_len=ctx_len, root=int(root))
 
@@ -456,10 +525,13 @@ class TorchEngine:
             raise RequestError(request_id, f"{what} token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         return arr.astype(np.int64)
 
-    def _forward(self, segments: Sequence[_Segment]) -> Tensor:
+    def _forward(self, segments: Sequence[_Segment], *, batch_invariant: bool = False) -> Tensor:
+        """Hidden states of the packed `segments`. Prefills keep the fused SDPA (they run one request alone, so every
+        policy computes them identically, and a long prompt's scores would not fit in memory as one matrix)."""
         tokens = torch.as_tensor(np.concatenate([s.tokens for s in segments]), device=self.device)
         positions = torch.as_tensor(np.concatenate([s.positions for s in segments]), device=self.device)
-        attention = _PagedAttention(self.kv, segments, group=self.args.group_size, dtype=self.dtype, device=self.device)
+        attention = _PagedAttention(self.kv, segments, group=self.args.group_size, dtype=self.dtype, device=self.device,
+                                    batch_invariant=batch_invariant)
         return self.model(tokens, positions, attention)
 
     def _sample(self, segments: Sequence[_Segment], logits: Tensor) -> list[np.ndarray]:
