@@ -289,14 +289,14 @@ class BudgetController:
 
         factors = self.request_factors(request_ids, b)
         weights = np.ones(b) if remaining_steps is None else _drain_weights(np.asarray(remaining_steps, np.float64))
-        nodes, step_s, tokens, gain, chosen = self._goodput_nodes(trees, context, tpot_s, factors, weights)
+        nodes, step_s, tokens, gain, chosen = self._goodput_nodes(trees, context, tpot_s, factors, weights, base_s)
         pruned = [_keep_nodes(t, keep) for t, keep in zip(trees, chosen)]
         return pruned, BudgetDecision(nodes, step_s, tokens, base_s, gain,
                                       request_ids=None if request_ids is None else tuple(request_ids),
                                       node_probs=_node_probs(pruned), node_depths=_node_depths(pruned),
                                       node_sources=_node_sources(pruned))
 
-    def _goodput_nodes(self, trees, context, tpot_s, factors, weights):
+    def _goodput_nodes(self, trees, context, tpot_s, factors, weights, plain_s):
         b = len(trees)
         model = self.step_model
         ones = np.ones(b)
@@ -335,7 +335,6 @@ class BudgetController:
             # best prefix is compared, at the engine's own grouping, with orders that cap every request at L nodes
             # (L = 1, 2, 4, 8): each one's best prefix and the whole of it (every request's best L nodes: one
             # shape, one call). With at most MAX_GROUPS requests every request can have a call of its own.
-            plain_s = model.predict(ones, context)
             best = self._grouped_goodput(keep, owner, expected[k], context, draft_s, tpot_s, plain_s)
             for cap in (1, 2, 4, 8):
                 within = np.flatnonzero(rank_in_owner < cap)

@@ -195,11 +195,14 @@ class StepTimeModel:
             groups = [np.arange(t.size)]
         else:
             groups = plan_attention_groups(np.rint(t).astype(np.int64), np.rint(c + t).astype(np.int64))
-        total = 0.0
-        for g in groups:  # every request of a call: its deepest tree's query rows over its longest context's keys
-            rows, keys = t[g].max(), (c[g] + t[g]).max()
-            total += g.size * float(self.attention_seconds(rows, keys - rows))
-        return total
+        # every request of a call: its deepest tree's query rows over its longest context's keys (one vectorised
+        # pass over the calls: the budget controller prices a dozen candidate steps per step this way)
+        sizes = np.array([g.size for g in groups])
+        members = np.concatenate(groups)
+        starts = np.cumsum(sizes) - sizes
+        rows = np.maximum.reduceat(t[members], starts)
+        keys = np.maximum.reduceat((c + t)[members], starts)
+        return float(sizes @ self.attention_seconds(rows, keys - rows))
 
     def lm_head_seconds(self, total_tokens) -> np.ndarray:
         s, e = self.shape, DTYPE_BYTES[self.dtype]
