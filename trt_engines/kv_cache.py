@@ -95,17 +95,24 @@ class PagedKVCache:
         _, _, heads, _, block_size, head_dim = self.pool.shape
         return self.pool.new_empty(2 * heads * num_blocks * block_size * head_dim)
 
-    def gather_blocks(self, layer: int, block_ids: Tensor, buffer: Tensor) -> Tensor:
-        """Layer `layer`'s K and V of blocks `block_ids`, copied into `buffer` (from `block_buffer`) and returned as
-        [2 (K, V), n_kv_heads, len(block_ids) * block_size, head_dim]: one memcpy per block and head, where
-        per-token gathers into fresh tensors cost more than the attention that reads them on CPU."""
+    def head_block_ids(self, block_ids: np.ndarray) -> Tensor:
+        """`gather_blocks`' index for blocks `block_ids`: each block once per KV head, head-major."""
+        heads = self.pool.shape[2]
+        ids = (np.arange(heads, dtype=np.int64)[:, None] * self.num_blocks + np.asarray(block_ids, np.int64)).reshape(-1)
+        return torch.as_tensor(ids, device=self.pool.device)
+
+    def gather_blocks(self, layer: int, head_block_ids: Tensor, buffer: Tensor) -> Tensor:
+        """Layer `layer`'s K and V of the blocks behind `head_block_ids` (`head_block_ids(block_ids)`), copied into
+        `buffer` (from `block_buffer`) and returned as [2 (K, V), n_kv_heads, len(block_ids) * block_size, head_dim]:
+        one memcpy per block and head, where per-token gathers into fresh tensors cost more than the attention that
+        reads them on CPU."""
         _, _, heads, _, block_size, head_dim = self.pool.shape
-        n = len(block_ids)
-        out = buffer[: 2 * heads * n * block_size * head_dim].view(2, heads, n, block_size * head_dim)
+        n = len(head_block_ids)  # blocks x heads
+        out = buffer[: 2 * n * block_size * head_dim].view(2, n, block_size * head_dim)
         for kind in (0, 1):
-            blocks = self.pool[layer, kind].view(heads, self.num_blocks, -1)
-            torch.index_select(blocks, 1, block_ids, out=out[kind])
-        return out.view(2, heads, n * block_size, head_dim)
+            rows = self.pool[layer, kind].view(heads * self.num_blocks, -1)
+            torch.index_select(rows, 0, head_block_ids, out=out[kind])
+        return out.view(2, heads, n // heads * block_size, head_dim)
 
     def move(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Copy the K/V rows of flat slots `src` to `dst` in every layer (reads all sources before writing)."""

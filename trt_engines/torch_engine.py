@@ -107,7 +107,7 @@ class _AttentionCall:
             mask[b, :n, : s.ctx_len] = True
             mask[b, :n, s.ctx_len : s.ctx_len + n] = s.local_mask
             mask[b, n:, 0] = True  # padded query rows: see one key so softmax stays finite; rows are dropped
-        self.blocks = torch.as_tensor(blocks.reshape(-1), device=device)
+        self.blocks = cache.head_block_ids(blocks.reshape(-1))
         # Packed rows of this call's tokens, and (when rows are padded) the packed row each padded row reads:
         # a pad row repeats its request's first row, whose output is dropped.
         rows = np.concatenate([offsets[i] + np.arange(n) for i, n in zip(members, lens)])
@@ -131,8 +131,8 @@ class _AttentionCall:
 
 
 def _batch_invariant_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None) -> Tensor:
-    """SDPA's result ([B, heads, rows, D]) computed so that a query row's output never depends on the other rows of
-    the call, on the other requests in it, or on how many masked keys follow its own.
+    """SDPA's result ([..., rows, D]) computed so that a query row's output never depends on the other rows of the
+    call, on the other requests in it, or on how many masked keys follow its own.
 
     The fused SDPA kernel splits queries and keys into blocks whose sizes follow the call's shape, so the same token
     gets last-bit-different attention in a plain step and in a step that verifies a tree, or next to a request with
