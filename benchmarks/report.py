@@ -28,8 +28,8 @@ from benchmarks.plotting import panels_by_set
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-NAMES = ("datastore", "verify_cost", "acceptance", "draft_batch", "throughput", "serving", "simulator_validation",
-         "projection", "gpu_verify_cost")
+NAMES = ("datastore", "verify_cost", "acceptance", "draft_batch", "throughput", "batch_invariance", "serving",
+         "simulator_validation", "projection", "gpu_verify_cost")
 BEGIN, END = "<!-- headline:begin -->", "<!-- headline:end -->"
 
 
@@ -88,6 +88,13 @@ def headline_rows(results: dict[str, dict]) -> list[tuple[str, str, str, str]]:
                      "throughput"))
         rows.append(("fp32 outputs identical to plain decoding", _fmt(s.get("identical_outputs_fraction"), ".0%"),
                      "100%", "throughput"))
+    if "batch_invariance" in results:
+        s = results["batch_invariance"]["summary"]
+        rows.append(("bf16 speculative outputs identical to plain decoding, batch-invariant vs fused kernels",
+                     f"{_fmt(s.get('identical_fraction_invariant'), '.0%')} vs "
+                     f"{_fmt(s.get('identical_fraction_fused'), '.0%')}", "", "batch_invariance"))
+        rows.append(("batch-invariant / fused plain decoding time, batch 1, 4, 32",
+                     ", ".join(_fmt(s.get(f"plain_time_ratio_b{b}")) for b in (1, 4, 32)), "", "batch_invariance"))
     if "serving" in results:
         s = results["serving"]["summary"]
         rows.append(("Triton serving p50 latency goodput / none, low and high load",

@@ -50,8 +50,9 @@ from trt_engines.torch_engine import TorchEngine
 POLICIES = ("none", "fixed:4", "fixed:16", "fixed:32", "roofline", "goodput")
 
 
-def build_stack(dtype: torch.dtype, *, num_blocks: int, max_nodes: int = 64, window: int = 512):
-    engine = TorchEngine("default", dtype=dtype, num_blocks=num_blocks)
+def build_stack(dtype: torch.dtype, *, num_blocks: int, max_nodes: int = 64, window: int = 512,
+                batch_invariant: bool | None = None):
+    engine = TorchEngine("default", dtype=dtype, num_blocks=num_blocks, batch_invariant=batch_invariant)
     datastore = Datastore.open(default_datastore_dir())
     drafter = Drafter(DrafterConfig(max_budget=max_nodes), datastores=[datastore])
     dtype_name = "float32" if dtype == torch.float32 else "bfloat16"
