@@ -74,7 +74,8 @@ def decode_cost(prompts: list[np.ndarray], batches: list[int], steps: int) -> li
             for i in range(b):
                 engine.release(i)
         row = {"batch": b, "steps": steps, "fused_tokens_per_s": b * steps / seconds[False],
-               "invariant_tokens_per_s": b * steps / seconds[True], "invariant_over_fused_time": seconds[True] / seconds[False]}
+               "invariant_tokens_per_s": b * steps / seconds[True],
+               "invariant_over_fused_time": seconds[True] / seconds[False]}
         rows.append(row)
         print(f"plain decoding, batch {b}: fused {row['fused_tokens_per_s']:.1f} tok/s, batch-invariant "
               f"{row['invariant_tokens_per_s']:.1f} tok/s (time x{row['invariant_over_fused_time']:.3f})", flush=True)
@@ -118,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(os.cpu_count() or 2)
     sets = list(PROMPT_SETS)
-    prompts = [t.prompt_ids for name in sets for t in spread(load_trajectories(trajectory_path(name, "eval")), args.per_set)]
+    prompts = [t.prompt_ids for name in sets
+               for t in spread(load_trajectories(trajectory_path(name, "eval")), args.per_set)]
     started = time.perf_counter()
     result = {
         "sets": sets, "prompts": len(prompts), "max_tokens": args.max_tokens, "cap": args.cap,
@@ -132,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         **{f"plain_time_ratio_b{row['batch']}": row["invariant_over_fused_time"] for row in result["cost"]},
     }
     result["seconds"] = round(time.perf_counter() - started, 1)
-    result["command"] = shlex.join(["python", "-m", "benchmarks.batch_invariance", *(argv if argv is not None else sys.argv[1:])])
+    result["command"] = shlex.join(["python", "-m", "benchmarks.batch_invariance",
+                                    *(argv if argv is not None else sys.argv[1:])])
     result["machine"] = f"{platform.machine()} {os.cpu_count()} cores"
     print(save_results("batch_invariance", result, write_markdown).read_text())
     return 0

@@ -444,7 +444,8 @@ def test_bf16_logits_do_not_depend_on_the_batch_or_the_tree(engine_bf16):
             decoys = int(rng.integers(1, 5))
             tree = DraftTree.from_arrays(
                 tokens=path + rng.integers(0, VOCAB, decoys + 1).tolist(),
-                parents=list(range(-1, n - 1)) + [int(rng.integers(-1, n)) for _ in range(decoys)] + [n - 1 if n else -1])
+                parents=(list(range(-1, n - 1)) + [int(rng.integers(-1, n)) for _ in range(decoys)]
+                         + [n - 1 if n else -1]))
             items = [VerifyItem(rid, tree)] + [VerifyItem(oid, _tree(rng, "random", [])) if rng.random() < 0.5
                                                else VerifyItem(oid, DraftTree.empty()) for oid in other_ids]
             rng.shuffle(items)

@@ -2,8 +2,8 @@
 
 Vocabulary:
     slot        one token's K/V row. Slot s of a request lives in block `table[s // block_size]`, row
-                `s % block_size`; its *flat slot* (index into the pool viewed as [num_blocks * block_size, ...])
-                is `table[s // block_size] * block_size + s % block_size`.
+                `s % block_size`; its *flat slot* (index into each KV head's pool viewed as
+                [num_blocks * block_size, head_dim]) is `table[s // block_size] * block_size + s % block_size`.
     pool        one tensor [n_layers, 2 (K, V), n_kv_heads, num_blocks, block_size, head_dim], head-major: gathering
                 a call's blocks gives each KV head's keys as one [requests, keys, head_dim] run, which the attention
                 matmuls read in place (token-major blocks had to be transposed into a copy for every layer).
@@ -98,8 +98,8 @@ class PagedKVCache:
     def head_block_ids(self, block_ids: np.ndarray) -> Tensor:
         """`gather_blocks`' index for blocks `block_ids`: each block once per KV head, head-major."""
         heads = self.pool.shape[2]
-        ids = (np.arange(heads, dtype=np.int64)[:, None] * self.num_blocks + np.asarray(block_ids, np.int64)).reshape(-1)
-        return torch.as_tensor(ids, device=self.pool.device)
+        ids = np.arange(heads, dtype=np.int64)[:, None] * self.num_blocks + np.asarray(block_ids, np.int64)
+        return torch.as_tensor(ids.reshape(-1), device=self.pool.device)
 
     def gather_blocks(self, layer: int, head_block_ids: Tensor, buffer: Tensor) -> Tensor:
         """Layer `layer`'s K and V of the blocks behind `head_block_ids` (`head_block_ids(block_ids)`), copied into
