@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import numba as nb
 import numpy as np
 
 CALIBRATION_FILE = "calibration.json"
@@ -54,18 +55,31 @@ class Curve:
 
 def pav(y: np.ndarray, w: np.ndarray) -> np.ndarray:
     """Weighted isotonic (non-decreasing) regression by pool-adjacent-violators."""
-    vals, wts, sizes = [], [], []
-    for yi, wi in zip(y.tolist(), w.tolist()):
-        vals.append(yi)
-        wts.append(wi)
-        sizes.append(1)
-        while len(vals) > 1 and vals[-2] > vals[-1]:
-            w2 = wts[-2] + wts[-1]
-            v2 = (vals[-2] * wts[-2] + vals[-1] * wts[-1]) / w2
-            s2 = sizes[-2] + sizes[-1]
-            del vals[-1], wts[-1], sizes[-1]
-            vals[-1], wts[-1], sizes[-1] = v2, w2, s2
-    return np.repeat(np.asarray(vals), sizes)
+    return _pav(np.ascontiguousarray(y, dtype=np.float64), np.ascontiguousarray(w, dtype=np.float64))
+
+
+@nb.njit(cache=True)
+def _pav(y: np.ndarray, w: np.ndarray) -> np.ndarray:
+    # a stack of pooled blocks (value, weight, size); the online recalibration refits ten of these per step
+    n = y.shape[0]
+    vals, wts, sizes = np.empty(n), np.empty(n), np.empty(n, np.int64)
+    top = 0
+    for i in range(n):
+        vals[top], wts[top], sizes[top] = y[i], w[i], 1
+        top += 1
+        while top > 1 and vals[top - 2] > vals[top - 1]:
+            w2 = wts[top - 2] + wts[top - 1]
+            vals[top - 2] = (vals[top - 2] * wts[top - 2] + vals[top - 1] * wts[top - 1]) / w2
+            wts[top - 2] = w2
+            sizes[top - 2] += sizes[top - 1]
+            top -= 1
+    out = np.empty(n)
+    k = 0
+    for b in range(top):
+        for _ in range(sizes[b]):
+            out[k] = vals[b]
+            k += 1
+    return out
 
 
 def fit_curve(score: np.ndarray, accepted: np.ndarray, *, n_bins: int = 20) -> Curve:

@@ -74,6 +74,7 @@ class OnlineRecalibration:
         self._nodes = np.zeros(shape)
         self._knots_x = np.concatenate([[0.0], self.centers, [1.0]])
         self._knots_y = np.tile(self._knots_x, (shape[0], 1))
+        self._stale = False  # the sums changed since the maps were last fitted (`_refit`, on the next use)
 
     def __call__(self, probs: np.ndarray, depths: np.ndarray, sources: np.ndarray | None = None) -> np.ndarray:
         """Expected acceptance of nodes with these calibrated path probabilities, depths and sources, as recently
@@ -81,6 +82,8 @@ class OnlineRecalibration:
         probs = np.asarray(probs, dtype=np.float64)
         buckets = node_bucket(depths, sources)
         out = np.empty_like(probs)
+        if self._stale and probs.size:
+            self._refit()
         for bucket in np.unique(buckets):
             mask = buckets == bucket
             out[mask] = np.interp(probs[mask], self._knots_x, self._knots_y[bucket])
@@ -133,11 +136,17 @@ class OnlineRecalibration:
             self._predicted += np.bincount(cells, weights=probs, minlength=size).reshape(self._nodes.shape)
             self._realized += np.bincount(cells, weights=accepted, minlength=size).reshape(self._nodes.shape)
             self._nodes += np.bincount(cells, minlength=size).reshape(self._nodes.shape)
+        self._stale = True
+
+    def _refit(self) -> None:
+        """Each bucket's map from the current sums: fitted when next used, not after every step (a controller that
+        drafts nothing for a while observes many steps and reads no map)."""
         ratios = self.ratios
         for bucket in range(ratios.shape[0]):
             rates = pav(np.minimum(self.centers * ratios[bucket], 1.0), self._nodes[bucket] + self.prior_nodes)
             top = float(np.clip(ratios[bucket, -1], rates[-1], 1.0))  # a calibrated 1.0 scaled by the top bin's ratio
             self._knots_y[bucket] = np.concatenate([[0.0], rates, [top]])
+        self._stale = False
 
 
 @nb.njit(cache=True)
