@@ -26,31 +26,12 @@ import numpy as np
 import torch
 
 from benchmarks.results_files import save_results
-from benchmarks.throughput import build_stack, first_divergence_gap, serve
+from benchmarks.throughput import POLICIES, identity_check
 from drafter.tree import DraftTree
 from tools.prompt_sets import PROMPT_SETS
 from tools.trajectories import load_trajectories, spread, trajectory_path
 from trt_engines.base import VerifyItem
 from trt_engines.torch_engine import TorchEngine
-
-POLICIES = ("fixed:4", "fixed:16", "fixed:32", "roofline", "goodput")
-
-
-def identical_outputs(prompts: list[np.ndarray], batch_invariant: bool, *, cap: int, max_tokens: int) -> dict:
-    engine, drafter, step_model, _ = build_stack(torch.bfloat16, num_blocks=4096, batch_invariant=batch_invariant)
-    reference = serve(engine, drafter, step_model, "none", prompts, cap=cap, max_tokens=max_tokens)["outputs"]
-    per_policy, gaps = {}, []
-    for policy in POLICIES:
-        outs = serve(engine, drafter.fresh(), step_model, policy, prompts, cap=cap, max_tokens=max_tokens)["outputs"]
-        same = [a == b for a, b in zip(reference, outs)]
-        per_policy[policy] = {"identical": int(sum(same)), "compared": len(same)}
-        gaps += [first_divergence_gap(engine, p, a, b)["top2_logit_gap"]
-                 for p, a, b, s in zip(prompts, reference, outs, same) if not s]
-        print(f"batch_invariant={batch_invariant} {policy:9s} identical to none: {sum(same)}/{len(same)}", flush=True)
-    identical = sum(v["identical"] for v in per_policy.values())
-    compared = sum(v["compared"] for v in per_policy.values())
-    return {"per_policy": per_policy, "identical": identical, "compared": compared,
-            "identical_fraction": identical / compared, "first_divergence_top2_gaps": gaps}
 
 
 def decode_cost(prompts: list[np.ndarray], batches: list[int], steps: int) -> list[dict]:
@@ -93,8 +74,8 @@ def write_markdown(path: Path, result: dict) -> None:
     for policy in on["per_policy"]:
         a, b = on["per_policy"][policy], off["per_policy"][policy]
         lines.append(f"| {policy} | {a['identical']}/{a['compared']} | {b['identical']}/{b['compared']} |")
-    lines.append(f"| all | {on['identical']}/{on['compared']} ({on['identical_fraction']:.0%}) | "
-                 f"{off['identical']}/{off['compared']} ({off['identical_fraction']:.0%}) |")
+    lines.append(f"| all | {on['identical']}/{on['compared']} ({on['identical_outputs_fraction']:.0%}) | "
+                 f"{off['identical']}/{off['compared']} ({off['identical_outputs_fraction']:.0%}) |")
     for name, part in (("batch-invariant", on), ("fused", off)):
         gaps = part["first_divergence_top2_gaps"]
         if gaps:
@@ -124,13 +105,14 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     result = {
         "sets": sets, "prompts": len(prompts), "max_tokens": args.max_tokens, "cap": args.cap,
-        "identity": {"invariant": identical_outputs(prompts, True, cap=args.cap, max_tokens=args.max_tokens),
-                     "fused": identical_outputs(prompts, False, cap=args.cap, max_tokens=args.max_tokens)},
+        "identity": {name: identity_check(prompts, list(POLICIES), max_tokens=args.max_tokens, cap=args.cap,
+                                          dtype=torch.bfloat16, batch_invariant=flag)
+                     for name, flag in (("invariant", True), ("fused", False))},
         "cost": decode_cost(prompts, [1, 4, 32], args.decode_steps),
     }
     result["summary"] = {
-        "identical_fraction_invariant": result["identity"]["invariant"]["identical_fraction"],
-        "identical_fraction_fused": result["identity"]["fused"]["identical_fraction"],
+        "identical_fraction_invariant": result["identity"]["invariant"]["identical_outputs_fraction"],
+        "identical_fraction_fused": result["identity"]["fused"]["identical_outputs_fraction"],
         **{f"plain_time_ratio_b{row['batch']}": row["invariant_over_fused_time"] for row in result["cost"]},
     }
     result["seconds"] = round(time.perf_counter() - started, 1)

@@ -239,7 +239,10 @@ def run(sets: list[str], caps: list[int], policies: list[str], *, prompts_per_ca
     step_model.fit_samples(all_samples)
     prefill_model = step_model.clone()
     prefill_model.fit([(np.array([float(n)]), np.zeros(1), t) for n, t in prefills])
-    identity = (identity_check(sets, policies, identity_prompts, max_tokens=min(max_tokens, 48)) if identity_prompts
+    per_set = -(-identity_prompts // len(sets))
+    identity_prompts_ids = [t.prompt_ids for name in sets
+                            for t in load_trajectories(trajectory_path(name, "eval"))[:per_set]]
+    identity = (identity_check(identity_prompts_ids, policies, max_tokens=min(max_tokens, 48)) if identity_prompts
                 else None)
     return {"rows": rows, "bf16_divergences": divergences, "step_fit_error": fit_error,
             "batch_invariant": engine.batch_invariant,
@@ -278,22 +281,27 @@ def fit_host_overhead(host_steps: list[tuple[int, float]]) -> list[float]:
     return nonnegative_lstsq(np.stack([np.ones_like(batch), batch], axis=1), seconds).tolist()
 
 
-def identity_check(sets: list[str], policies: list[str], n_prompts: int, *, max_tokens: int) -> dict:
-    """fp32: every policy's outputs must equal `none`'s, token for token."""
-    engine, drafter, step_model, _ = build_stack(torch.float32, num_blocks=2048)
-    prompts = []
-    for set_name in sets:
-        prompts += [t.prompt_ids for t in load_trajectories(trajectory_path(set_name, "eval"))[: -(-n_prompts // len(sets))]]
-    reference = serve(engine, drafter, step_model, "none", prompts, cap=8, max_tokens=max_tokens)["outputs"]
-    compared = identical = 0
+def identity_check(prompts: list[np.ndarray], policies: list[str], *, max_tokens: int, cap: int = 8,
+                   dtype: torch.dtype = torch.float32, batch_invariant: bool | None = None) -> dict:
+    """Every policy's outputs against `none`'s, token for token (fp32: they must all be equal); for each output that
+    differs, the top-2 logit gap at the first differing position."""
+    engine, drafter, step_model, _ = build_stack(dtype, num_blocks=4096, batch_invariant=batch_invariant)
+    reference = serve(engine, drafter, step_model, "none", prompts, cap=cap, max_tokens=max_tokens)["outputs"]
+    per_policy, gaps = {}, []
     for policy in policies:
         if policy == "none":
             continue
-        outs = serve(engine, drafter, step_model, policy, prompts, cap=8, max_tokens=max_tokens)["outputs"]
-        compared += len(outs)
-        identical += sum(a == b for a, b in zip(reference, outs))
+        outs = serve(engine, drafter.fresh(), step_model, policy, prompts, cap=cap, max_tokens=max_tokens)["outputs"]
+        same = [a == b for a, b in zip(reference, outs)]
+        per_policy[policy] = {"identical": int(sum(same)), "compared": len(same)}
+        gaps += [first_divergence_gap(engine, p, a, b)["top2_logit_gap"]
+                 for p, a, b, s in zip(prompts, reference, outs, same) if not s]
+        print(f"{policy:9s} outputs identical to none's: {sum(same)}/{len(same)}", flush=True)
+    identical = sum(v["identical"] for v in per_policy.values())
+    compared = sum(v["compared"] for v in per_policy.values())
     return {"prompts": len(prompts), "max_tokens": max_tokens, "compared": compared, "identical": identical,
-            "identical_outputs_fraction": identical / max(compared, 1)}
+            "identical_outputs_fraction": identical / max(compared, 1), "per_policy": per_policy,
+            "first_divergence_top2_gaps": gaps}
 
 
 def summarize(result: dict, sets: list[str]) -> dict:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numba as nb
 import numpy as np
 
 SOURCE_INPUT = 0  # prompt + self-output index of the request
@@ -105,24 +106,9 @@ class DraftTree:
     def depth_first_order(self) -> np.ndarray:
         """int64 [n]: the nodes in depth-first preorder, children in index order (most probable first). In this
         order the path that always follows the first child is contiguous from the start, and every other root path
-        is contiguous up to where it leaves that one: engines lay out tree slots this way (see `TorchEngine.verify`).
-        Vectorised over nodes, one pass per depth level."""
-        n = len(self)
-        if n == 0:
-            return np.zeros(0, np.int64)
-        max_depth = int(self.depth.max())
-        # key[i, d]: node i's ancestor at depth d + 1 (itself at its own depth), -1 past its depth: sorting the rows
-        # lexicographically gives preorder, since an ancestor's row is a prefix of its descendants'.
-        key = np.full((n, max_depth), -1, np.int64)
-        node = np.arange(n)
-        level = self.depth.astype(np.int64) - 1
-        alive = np.ones(n, bool)
-        while alive.any():
-            key[np.flatnonzero(alive), level[alive]] = node[alive]
-            node = np.where(alive, self.parents[node], -1)
-            level -= 1
-            alive = node >= 0
-        return np.lexsort(key.T[::-1])
+        is contiguous up to where it leaves that one: engines lay out tree slots this way (see `TorchEngine.verify`,
+        which calls this for every request of every step: a compiled stack walk)."""
+        return _depth_first_order(self.parents)
 
     @property
     def expected_accepted(self) -> float:
@@ -226,3 +212,35 @@ class DraftTree:
             path.append(node)
             node = int(self.parents[node])
         return np.asarray(path[::-1], dtype=np.int32)
+
+
+@nb.njit(cache=True)
+def _depth_first_order(parents: np.ndarray) -> np.ndarray:
+    n = parents.shape[0]
+    # children of the root (slot 0) and of node i (slot i + 1), in index order: counting sort by parent
+    starts = np.zeros(n + 2, np.int64)
+    for i in range(n):
+        starts[parents[i] + 2] += 1
+    for i in range(1, n + 2):
+        starts[i] += starts[i - 1]
+    children = np.empty(n, np.int64)
+    fill = starts[:-1].copy()
+    for i in range(n):
+        children[fill[parents[i] + 1]] = i
+        fill[parents[i] + 1] += 1
+    order = np.empty(n, np.int64)
+    stack = np.empty(n, np.int64)
+    top = 0
+    for c in range(starts[1] - 1, starts[0] - 1, -1):  # push in reverse so the first child pops first
+        stack[top] = children[c]
+        top += 1
+    k = 0
+    while top > 0:
+        top -= 1
+        node = stack[top]
+        order[k] = node
+        k += 1
+        for c in range(starts[node + 2] - 1, starts[node + 1] - 1, -1):
+            stack[top] = children[c]
+            top += 1
+    return order

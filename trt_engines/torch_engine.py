@@ -22,8 +22,8 @@ Batch invariance (`batch_invariant`, default for bf16 on the CPU): a token's bf1
 whether it is decoded alone, verified in a tree, or batched next to other requests, so speculative decoding in bf16
 emits exactly plain decoding's text, and every policy of a benchmark decodes the same text (without it, the fused
 kernels' shape-dependent rounding flips near-tied logits and most long outputs drift from plain decoding's).
-`benchmarks/batch_invariance.py` measures both: on the CPU with SmolLM2-135M, 91% of the speculating policies'
-outputs equal plain decoding's (40% with the fused kernels), and plain decoding takes 6-8% longer. Three parts:
+`benchmarks/batch_invariance.py` measures both: on the CPU with SmolLM2-135M, 92% of the speculating policies'
+outputs equal plain decoding's (39% with the fused kernels), and plain decoding takes 3-9% longer. Three parts:
 - linear layers never run one row alone (`llama.Linear`);
 - attention is two bf16 matmuls around an fp32 softmax (`_batch_invariant_attention`) instead of the fused SDPA
   kernel, whose blocking follows the call's shape;
