@@ -157,6 +157,14 @@ class Orchestrator:
     def idle(self) -> bool:
         return not self.waiting and not self.running
 
+    def close(self) -> None:
+        """Stop the drafting worker thread (there is one only with a draft timeout) once any late draft call ends.
+        Steps after this draft on the calling thread, without a timeout."""
+        if self._draft_pool is not None:
+            self._draft_pool.shutdown(wait=True, cancel_futures=True)
+            self._draft_pool = None
+            self._late_draft = None
+
     # -- one scheduler iteration ---------------------------------------------------------------------------------
     def step(self) -> StepRecord | None:
         started = time.perf_counter()

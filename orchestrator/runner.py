@@ -160,3 +160,5 @@ class OrchestratorRunner:
                 except Exception:
                     pass
             raise
+        finally:
+            self.orchestrator.close()

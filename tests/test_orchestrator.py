@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import sysconfig
+import threading
 import time
 from pathlib import Path
 
@@ -251,6 +252,10 @@ def test_drafter_timeout_falls_back_and_never_races_the_late_call(engine, datast
     assert 0 < orchestrator.drafter_timeouts <= orchestrator.drafter_fallbacks
     assert sum(r["stats"].fallbacks for r in results.values()) == orchestrator.drafter_fallbacks
     assert sum(r["stats"].accepted for r in results.values()) > 0  # the punctual calls still speculated
+    orchestrator.close()
+    assert not drafter_threads()
+    again = run_all(orchestrator, [GenerationRequest(prompt_ids=prompt_ids[0], max_tokens=24)])
+    assert [r["tokens"] for r in again.values()] == reference[:1]  # once closed, it drafts on the calling thread
     with pytest.raises(ValueError, match="draft_timeout_s"):
         make_orchestrator(engine, datastore, "fixed:8", draft_timeout_s=0)
 
@@ -274,8 +279,13 @@ def test_bad_requests_are_refused_and_change_nothing(engine, datastore, prompt_i
     orchestrator.run_until_idle()
 
 
+def drafter_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("drafter")]
+
+
 def test_runner_streams_concurrently_and_cancels_abandoned_streams(engine, datastore, prompt_ids, reference):
-    runner = OrchestratorRunner(make_orchestrator(engine, datastore, "goodput")).start()
+    # With a (never reached) draft timeout, so that shutdown must also stop the drafting thread.
+    runner = OrchestratorRunner(make_orchestrator(engine, datastore, "goodput", draft_timeout_s=60.0)).start()
     free_before = engine.free_blocks()
 
     async def consume(p, limit=None):
@@ -294,5 +304,5 @@ def test_runner_streams_concurrently_and_cancels_abandoned_streams(engine, datas
     blocking = runner.generate(GenerationRequest(prompt_ids=prompt_ids[4], max_tokens=24), timeout=120)
     assert blocking.token_ids == reference[4] and blocking.finish_reason == FinishReason.LENGTH
     runner.shutdown()
-    assert not runner.alive and runner.error is None
+    assert not runner.alive and runner.error is None and not drafter_threads()
     assert engine.free_blocks() == free_before
