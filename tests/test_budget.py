@@ -49,6 +49,18 @@ def test_more_running_requests_get_fewer_nodes_each():
     assert per_request[0] > per_request[-1]
 
 
+def test_a_large_batch_caps_each_request_and_a_lone_request_is_not_capped():
+    # On an idle H100, near-certain chains would earn every request deep trees; in a batch of 128 the per-request
+    # ceiling (the H100's free budget of ~295 tokens / 128, at least 4) bounds them, and every request gets as many.
+    model = h100_model()
+    batch = goodput_nodes(model, 128, 0.97)
+    assert batch.max() == BudgetController(BudgetPolicy.parse("goodput"), model).node_ceiling(128) == 4
+    assert (batch == 4).all()
+    assert goodput_nodes(model, 1, 0.97)[0] > 16
+    with pytest.raises(ValueError, match="batch_node_ceiling"):
+        BudgetController(BudgetPolicy.parse("goodput"), model, batch_node_ceiling=0)
+
+
 def test_higher_acceptance_gets_more_nodes():
     model = h100_model()
     nodes = [goodput_nodes(model, 32, p).sum() for p in (0.3, 0.6, 0.9)]
@@ -139,7 +151,8 @@ def test_free_budget_matches_the_ridge_formula():
 
 def test_realized_acceptance_below_prediction_shrinks_the_budget():
     model = h100_model()
-    controller = BudgetController(BudgetPolicy.parse("goodput"), model)
+    # without the per-request ceiling, which on an idle H100 would bind both before and after
+    controller = BudgetController(BudgetPolicy.parse("goodput"), model, batch_node_ceiling=64 * 16)
     trees, context = chain_trees(16, 0.8), np.full(16, 1024)
     _, first = controller.allocate(trees, context)
     rng = np.random.default_rng(0)
