@@ -206,7 +206,7 @@ class BudgetController:
         if self._skip_steps > 0:
             self._skip_steps -= 1
             return 0
-        return min(self._next_cap, p.max_nodes_per_request)
+        return min(self._next_cap, p.max_nodes_per_request, self.node_ceiling(num_running))  # `allocate` sends no more
 
     def request_factors(self, request_ids: Sequence | None, b: int) -> np.ndarray:
         """Per request, a factor on its recalibrated node probabilities: 1, or with `per_request_acceptance` its own
