@@ -61,9 +61,9 @@ Closed loop (`observe`, called by the orchestrator after every step):
   values of one request's deep and lower-ranked nodes are over-rated next to other requests' first nodes, so in a
   large batch the greedy order gave lucky requests deep trees and others none, and realized less than `fixed:4`
   from as many nodes (grounded set, cap 32: 3.7 nodes per request-step and tau 2.67 against 4.0 and 2.90; 0.95 of
-  `fixed:4`'s throughput). Replaying the committed CPU rows (`benchmarks/simulator_validation.py`), this ceiling
-  lifted goodput against `fixed:4` from 0.93 to 0.98 (grounded, cap 32) and from 0.96 to 0.99 (cap 16), and
-  lowered none of the 16 by more than 0.5%. For a lone request the ceiling is the drafting cap itself (64).
+  `fixed:4`'s throughput). Measured side by side with it (`benchmarks/results/throughput_node_ceiling.md`), goodput
+  made 1.002 of `fixed:4`'s throughput at grounded cap 32 and 0.975 at cap 16 (0.949 and 0.961 before). For a lone
+  request the ceiling is the drafting cap itself (64), and drafting never asks for more (`draft_cap`).
 
 Opt-in (`per_request_acceptance=True`): each request's node probabilities are scaled by its own realized / predicted
 (recalibrated) accepted tokens so far, shrunk toward 1 (SpecServe §4).
