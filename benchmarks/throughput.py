@@ -23,7 +23,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import shlex
 import sys
 import time
@@ -33,7 +32,7 @@ import numpy as np
 import torch
 
 from benchmarks.plotting import panels_by_set
-from benchmarks.results_files import RESULTS, save_results
+from benchmarks.results_files import RESULTS, cpu_description, save_results
 from datastore import Datastore
 from datastore.paths import default_datastore_dir
 from drafter.drafter import Drafter, DrafterConfig
@@ -51,8 +50,9 @@ POLICIES = ("none", "fixed:4", "fixed:16", "fixed:32", "roofline", "goodput")
 
 
 def build_stack(dtype: torch.dtype, *, num_blocks: int, max_nodes: int = 64, window: int = 512,
-                batch_invariant: bool | None = None):
-    engine = TorchEngine("default", dtype=dtype, num_blocks=num_blocks, batch_invariant=batch_invariant)
+                batch_invariant: bool | None = None, cpu_kernels: str = "auto"):
+    engine = TorchEngine("default", dtype=dtype, num_blocks=num_blocks, batch_invariant=batch_invariant,
+                         cpu_kernels=cpu_kernels)
     datastore = Datastore.open(default_datastore_dir())
     drafter = Drafter(DrafterConfig(max_budget=max_nodes), datastores=[datastore])
     dtype_name = "float32" if dtype == torch.float32 else "bfloat16"
@@ -246,6 +246,7 @@ def run(sets: list[str], caps: list[int], policies: list[str], *, prompts_per_ca
                 else None)
     return {"rows": rows, "bf16_divergences": divergences, "step_fit_error": fit_error,
             "batch_invariant": engine.batch_invariant,
+            "cpu_kernels": engine.cpu_kernels,  # numba kernels (`trt_engines.cpu_kernels`) rather than PyTorch's
             "output_lengths": "reference",  # each request: its recorded trajectory's length, EOS ignored
             "prompt_sample": "spread",  # a row's prompts: `tools.trajectories.spread` over the eval set
             "step_model_median_abs_err": float(np.median(all_errors)) if all_errors else None,
@@ -282,10 +283,12 @@ def fit_host_overhead(host_steps: list[tuple[int, float]]) -> list[float]:
 
 
 def identity_check(prompts: list[np.ndarray], policies: list[str], *, max_tokens: int, cap: int = 8,
-                   dtype: torch.dtype = torch.float32, batch_invariant: bool | None = None) -> dict:
+                   dtype: torch.dtype = torch.float32, batch_invariant: bool | None = None,
+                   cpu_kernels: str = "auto") -> dict:
     """Every policy's outputs against `none`'s, token for token (fp32: they must all be equal); for each output that
     differs, the top-2 logit gap at the first differing position."""
-    engine, drafter, step_model, _ = build_stack(dtype, num_blocks=4096, batch_invariant=batch_invariant)
+    engine, drafter, step_model, _ = build_stack(dtype, num_blocks=4096, batch_invariant=batch_invariant,
+                                                 cpu_kernels=cpu_kernels)
     reference = serve(engine, drafter, step_model, "none", prompts, cap=cap, max_tokens=max_tokens)["outputs"]
     per_policy, gaps = {}, []
     for policy in policies:
@@ -334,7 +337,9 @@ def write_markdown(path: Path, result: dict) -> None:
         "# Offline throughput: speculation policies side by side",
         "",
         f"Command: `{result['command']}`. Model: SmolLM2-135M-Instruct, bf16, TorchEngine on {result['machine']}"
-        + (" in batch-invariant numerics (a token's logits do not depend on the batch or the tree it is verified in)."
+        + (" with its numba CPU kernels, batch-invariant by construction (a token's logits do not depend on the batch "
+           "or the tree, nor on the branch it is verified on)." if result.get("cpu_kernels") else
+           " in batch-invariant numerics (a token's logits do not depend on the batch or the tree it is verified in)."
            if result.get("batch_invariant") else "."),
         (f"Each request generates its reference length (its recorded greedy output's, at most {result['max_tokens']} "
          "tokens), EOS ignored, so every policy does the same work (in bf16 outputs may part at near-ties); "
@@ -359,7 +364,8 @@ def write_markdown(path: Path, result: dict) -> None:
         "",
         f"Losslessness (fp32, {ident['prompts']} prompts x {ident['max_tokens']} tokens, every policy vs none): "
         f"{ident['identical']}/{ident['compared']} identical.",
-        divergence_summary(result["bf16_divergences"], result.get("batch_invariant", False)),
+        divergence_summary(result["bf16_divergences"], result.get("batch_invariant", False),
+                           result.get("cpu_kernels", False)),
         f"Step-time model: median relative error {result['step_model_median_abs_err']:.3f} over every step "
         f"(start-up fit error {result['step_fit_error']:.3f}).",
     ]
@@ -428,12 +434,14 @@ def replace_groups(name: str, new: dict, *, command: str, note: str | None) -> d
     return old
 
 
-def divergence_summary(divergences: list[dict], batch_invariant: bool = False) -> str:
+def divergence_summary(divergences: list[dict], batch_invariant: bool = False, cpu_kernels: bool = False) -> str:
     """bf16 outputs may leave `none`'s only at near-ties: report how many did and the widest top-2 logit gap."""
     if not divergences:
-        return "bf16: every policy's outputs equal `none`'s."
+        return "bf16: every policy's outputs equal `none`'s, token for token."
     gaps = np.array([d["top2_logit_gap"] for d in divergences])
-    where = ("where an accepted path left its tree's first-child chain, whose keys then sit behind masked siblings and "
+    where = ("although the engine's kernels are batch-invariant by construction (a bug: please report it)"
+             if cpu_kernels else
+             "where an accepted path left its tree's first-child chain, whose keys then sit behind masked siblings and "
              "are summed in another order (the engine is otherwise batch-invariant)" if batch_invariant else
              "where verifying more tokens in one batch rounds differently")
     return (f"bf16: {len(divergences)} outputs diverge from `none`'s (of all non-`none` runs); at the first differing "
@@ -497,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     result["summary"] = summarize(result, args.sets)
     result["command"] = command
-    result["machine"] = f"{platform.machine()} {os.cpu_count()} cores"
+    result["machine"] = cpu_description()
     # Every row's outputs (first round), for the simulator validation to replay what was actually generated.
     outputs_file = RESULTS / f"{name}_outputs.npz"
     np.savez_compressed(outputs_file, **result.pop("outputs"))

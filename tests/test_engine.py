@@ -404,17 +404,34 @@ def test_grouped_attention_answers_each_request_as_if_verified_alone(engine):
     assert engine.free_blocks() == NUM_BLOCKS
 
 
-@pytest.fixture(scope="module")
-def engine_bf16():
+@pytest.fixture(scope="module", params=["torch", "numba"])
+def engine_bf16(request):
     from trt_engines.torch_engine import TorchEngine
 
-    return TorchEngine("default", dtype=torch.bfloat16, num_blocks=NUM_BLOCKS, block_size=BLOCK, max_context=1024)
+    return TorchEngine("default", dtype=torch.bfloat16, num_blocks=NUM_BLOCKS, block_size=BLOCK, max_context=1024,
+                       cpu_kernels=request.param)
+
+
+def _plain_bf16_logits(engine, rid, prompt, steps):
+    """Plain decoding: the tokens, and the logits at each root (which predict the next token)."""
+    first_root = engine.add_request(rid, prompt)
+    tokens, logits = [], []
+    try:
+        for _ in range(steps):
+            res = engine.verify([VerifyItem(rid, DraftTree.empty())], return_logits=True).results[0]
+            logits.append(res.logits[0])
+            tokens.append(int(res.target_tokens[0]))
+            engine.commit(rid, [], next_root=tokens[-1])
+    finally:
+        engine.release(rid)
+    return first_root, tokens, logits
 
 
 def test_bf16_logits_do_not_depend_on_the_batch_or_the_tree(engine_bf16):
     # Batch invariance: a token's bf16 logits are bitwise those of plain decoding whether it is verified in a tree
     # (first-child chain, decoy branches after it) or next to requests of other contexts with trees of their own, so
-    # speculative decoding in bf16 emits plain decoding's text.
+    # speculative decoding in bf16 emits plain decoding's text. (Both CPU paths: PyTorch's kernels in
+    # batch-invariant numerics, and the numba kernels.)
     engine = engine_bf16
     assert engine.batch_invariant  # the CPU default
     rng = np.random.default_rng(3)
@@ -460,5 +477,53 @@ def test_bf16_logits_do_not_depend_on_the_batch_or_the_tree(engine_bf16):
             assert torch.equal(g, w), f"position {position}: max |diff| {(g - w).abs().max().item()}"
     finally:
         for r in [rid] + other_ids:
+            engine.release(r)
+    assert engine.free_blocks() == NUM_BLOCKS
+
+
+def test_bf16_kernel_logits_equal_plain_decoding_on_any_branch(engine_bf16):
+    # With the numba kernels every row attends over exactly its visible keys, in order, so the accepted path may
+    # leave the first-child chain (the true token is a later sibling, behind decoys with subtrees of their own)
+    # and its logits are still bitwise plain decoding's: bf16 speculation is lossless on every branch.
+    engine = engine_bf16
+    if not engine.cpu_kernels:
+        pytest.skip("PyTorch's kernels are batch-invariant on first-child chains only (the test above)")
+    rng = np.random.default_rng(11)
+    prompt, other = _prompt(rng, 120), _prompt(rng, 200)
+    steps = 20
+    rid, oid = _uid("branch"), _uid("branch")
+    first_root, tokens, want = _plain_bf16_logits(engine, rid, prompt, steps + 4)
+    assert engine.add_request(rid, prompt) == first_root
+    engine.add_request(oid, other)
+    got, off_chain = [], 0
+    try:
+        while len(got) < steps:
+            done = len(got)
+            path = tokens[done: done + int(rng.integers(1, 4))]
+            # each true token comes after a decoy sibling that has a decoy child: never a first child
+            toks, parents, parent = [], [], -1
+            for tok in path:
+                toks += [int(rng.integers(0, VOCAB)), int(rng.integers(0, VOCAB)), tok]
+                parents += [parent, len(toks) - 3, parent]
+                parent = len(toks) - 1
+            tree = DraftTree.from_arrays(tokens=toks, parents=parents)
+            n_other = int(rng.integers(1, 8))
+            other_tree = DraftTree.from_arrays(tokens=rng.integers(0, VOCAB, n_other),
+                                               parents=[int(rng.integers(-1, i)) for i in range(n_other)])
+            out = {r.request_id: r for r in engine.verify(
+                [VerifyItem(oid, other_tree), VerifyItem(rid, tree)], return_logits=True).results}
+            mine = out[rid]
+            accepted = [3 * k + 2 for k in range(len(path))]
+            got += [mine.logits[0]] + [mine.logits[1 + node] for node in accepted]
+            off_chain += len(path)
+            assert [int(mine.target_tokens[i]) for i in [0] + [1 + node for node in accepted]] == \
+                tokens[done: done + len(path) + 1]
+            engine.commit(rid, accepted, next_root=int(mine.target_tokens[1 + accepted[-1]]))
+            engine.commit(oid, [], next_root=int(out[oid].target_tokens[0]))
+        for position, (g, w) in enumerate(zip(got, want)):
+            assert torch.equal(g, w), f"position {position}: max |diff| {(g - w).abs().max().item()}"
+        assert off_chain >= steps // 2
+    finally:
+        for r in (rid, oid):
             engine.release(r)
     assert engine.free_blocks() == NUM_BLOCKS

@@ -143,9 +143,14 @@ class Linear(nn.Linear):
     kernel's, so in bf16 a token's hidden state can differ in the last bit between a step that decodes it alone and one
     that verifies it with draft tokens; near-tied logits then flip and the output diverges. Every row count >= 2
     gives bitwise the same rows (measured with oneDNN's bf16 kernels), so a single row is computed as two: the cost
-    is the same (the weights are read once either way)."""
+    is the same (the weights are read once either way). An engine may set `kernel` to another batch-invariant
+    implementation (`TorchEngine(cpu_kernels=...)`)."""
+
+    kernel: Callable[[Tensor], Tensor] | None = None  # replaces F.linear when set (`trt_engines.cpu_kernels`)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.kernel is not None:
+            return self.kernel(x)
         if x.dim() == 2 and x.shape[0] == 1:
             return F.linear(x.expand(2, -1), self.weight, self.bias)[:1]
         return F.linear(x, self.weight, self.bias)

@@ -21,9 +21,19 @@ A request may be verified again before `commit` (the temporary slots are simply 
 Batch invariance (`batch_invariant`, default for bf16 on the CPU): a token's bf16 logits come out bitwise the same
 whether it is decoded alone, verified in a tree, or batched next to other requests, so speculative decoding in bf16
 emits exactly plain decoding's text, and every policy of a benchmark decodes the same text (without it, the fused
-kernels' shape-dependent rounding flips near-tied logits and most long outputs drift from plain decoding's).
-`benchmarks/batch_invariance.py` measures both: on the CPU with SmolLM2-135M, 92% of the speculating policies'
-outputs equal plain decoding's (39% with the fused kernels), and plain decoding takes 3-9% longer. Three parts:
+kernels' shape-dependent rounding flips near-tied logits and most long outputs drift from plain decoding's). Two
+implementations, measured side by side by `benchmarks/batch_invariance.py`:
+
+CPU kernels (`cpu_kernels`, `trt_engines.cpu_kernels`; "auto" picks them for bf16 on CPUs without bf16 dot-product
+instructions, where PyTorch's bf16 matmuls take a slow path): numba kernels for every linear layer and for verify
+attention, batch-invariant by construction. Attention reads each request's keys in place in the paged pool (no
+gather, no padding: `attention_layout` "packed"), and every row attends over exactly the keys it may see, in slot
+order, so a token gets plain decoding's logits on any branch of a tree, not only on first-child chains: bf16
+speculation is then lossless outright. Slots keep the tree's own order.
+
+PyTorch's kernels in batch-invariant numerics (elsewhere): on the CPU with SmolLM2-135M, 92% of the speculating
+policies' outputs equal plain decoding's (39% with the fused kernels), and plain decoding takes 3-9% longer. Three
+parts:
 - linear layers never run one row alone (`llama.Linear`);
 - attention is two bf16 matmuls around an fp32 softmax (`_batch_invariant_attention`) instead of the fused SDPA
   kernel, whose blocking follows the call's shape;
@@ -58,8 +68,9 @@ from trt_engines.base import (
     check_new_request,
 )
 from trt_engines.attention_groups import plan_attention_groups
+from trt_engines.cpu_kernels import Bf16Linear, TreeAttentionLayout, bf16_bits, cpu_has_native_bf16, tree_attention
 from trt_engines.kv_cache import PagedKVCache
-from trt_engines.llama import Transformer
+from trt_engines.llama import Linear, Transformer
 from trt_engines.prepare import resolve_model_dir
 
 
@@ -207,6 +218,29 @@ class _PagedAttention:
         return out
 
 
+class _KernelAttention:
+    """Attention fn for one packed forward over `segments` with the CPU kernel (`cpu_kernels.tree_attention`):
+    write the new K/V into their slots, then every request attends over its own visible keys in the paged pool
+    (no gather, no padding: the step-time model prices it as "packed")."""
+
+    def __init__(self, cache: PagedKVCache, segments: Sequence[_Segment], pool_bits: list[tuple[np.ndarray, np.ndarray]],
+                 *, device: torch.device):
+        self.cache, self.pool_bits = cache, pool_bits
+        lens = [len(s.tokens) for s in segments]
+        offsets = np.concatenate([[0], np.cumsum(lens)[:-1]])
+        keys = [cache.flat_slots(s.request_id, 0, s.ctx_len + n) for s, n in zip(segments, lens)]
+        self.write = torch.as_tensor(np.concatenate([k[s.ctx_len:] for s, k in zip(segments, keys)]), device=device)
+        self.layout = TreeAttentionLayout([(int(o), s.ctx_len, k, s.local_mask)
+                                           for o, s, k in zip(offsets, segments, keys)])
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        kf, vf = self.cache.flat(layer, 0), self.cache.flat(layer, 1)  # [KV, slots, D]
+        kf.index_copy_(1, self.write, k.transpose(0, 1).to(kf.dtype))
+        vf.index_copy_(1, self.write, v.transpose(0, 1).to(vf.dtype))
+        k_bits, v_bits = self.pool_bits[layer]
+        return tree_attention(q, k_bits, v_bits, self.layout)
+
+
 def sample_tokens(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> Tensor:
     """One independent target token per row of `logits` [R, V] (fp32): argmax, or a draw from the filtered softmax."""
     if params.greedy:
@@ -236,9 +270,9 @@ class TorchEngine:
         engine.commit("a", acc.accepted_nodes, next_root=acc.bonus_token)
     """
 
-    # A few batched SDPA calls per layer, each over requests of similar tree size and context, padded within the call
-    # (`_PagedAttention`, `plan_attention_groups`): the step-time model charges attention that way
-    # (`StepTimeModel.attention_layout`).
+    # How verify lays out attention, for the step-time model (`StepTimeModel.attention_layout`): "grouped", a few
+    # batched SDPA calls per layer, each over requests of similar tree size and context, padded within the call
+    # (`_PagedAttention`, `plan_attention_groups`); "packed" with the CPU kernels (each request over its own keys).
     attention_layout = "grouped"
 
     def __init__(
@@ -251,14 +285,27 @@ class TorchEngine:
         block_size: int = 16,
         max_context: int | None = None,
         batch_invariant: bool | None = None,
+        cpu_kernels: str = "auto",
     ):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype
+        # bf16 on a CPU without bf16 dot-product instructions: PyTorch's bf16 matmuls take a slow path there, so
+        # linear layers and verify attention run numba kernels (`trt_engines.cpu_kernels`), batch-invariant by
+        # construction. "auto" picks them on such CPUs, "numba" always (bf16 on the CPU), "torch" never.
+        if cpu_kernels not in ("auto", "numba", "torch"):
+            raise ValueError(f"cpu_kernels must be 'auto', 'numba' or 'torch'; got {cpu_kernels!r}")
+        kernels_apply = self.device.type == "cpu" and dtype == torch.bfloat16
+        if cpu_kernels == "numba" and not kernels_apply:
+            raise ValueError(f"cpu_kernels='numba' runs bf16 models on the CPU; this engine is {dtype} on {self.device}")
+        self.cpu_kernels = kernels_apply and (cpu_kernels == "numba" or (cpu_kernels == "auto" and not cpu_has_native_bf16()))
         # Verify steps in batch-invariant numerics (module docstring): the default for bf16 on the CPU, where it was
         # measured to hold. fp32 matmuls (MKL) round rows differently by row count, so there it would only cost, and
         # fp32 rarely needs it (near-ties close enough to flip are rare); CUDA keeps the fused SDPA kernels.
         if batch_invariant is None:
             batch_invariant = self.device.type == "cpu" and dtype == torch.bfloat16
+        if self.cpu_kernels and not batch_invariant:
+            raise ValueError("the CPU kernels are batch-invariant by construction: pass cpu_kernels='torch' with "
+                             "batch_invariant=False")
         self.batch_invariant = bool(batch_invariant)
         if isinstance(model, Transformer):  # an already built model (e.g. `Transformer.random` for timing studies)
             self.model = model
@@ -279,6 +326,14 @@ class TorchEngine:
             block_size=block_size, dtype=dtype, device=self.device,
         )
         self._requests: dict[object, _Request] = {}
+        self._pool_bits: list[tuple[np.ndarray, np.ndarray]] = []
+        if self.cpu_kernels:
+            self.attention_layout = "packed"
+            for module in self.model.modules():
+                if isinstance(module, Linear):
+                    module.kernel = Bf16Linear(module.weight, module.bias)
+            self._pool_bits = [(bf16_bits(self.kv.flat(layer, 0)), bf16_bits(self.kv.flat(layer, 1)))
+                               for layer in range(args.n_layers)]
 
     # ---- capacity -------------------------------------------------------------------------------------------
 
@@ -385,7 +440,7 @@ class TorchEngine:
             self.kv.ensure(item.request_id, req.ctx_len + len(tree) + 1)
             # Slots in depth-first order (`DraftTree.depth_first_order`): an accepted path that follows first children
             # has its keys at the positions plain decoding gives them, so batch-invariant numerics hold for it.
-            order = tree.depth_first_order() if self.batch_invariant else None
+            order = tree.depth_first_order() if self.batch_invariant and not self.cpu_kernels else None
             if order is not None and np.array_equal(order, np.arange(len(tree))):
                 order = None  # chains and most small trees are laid out that way already
             if order is not None:
@@ -530,8 +585,11 @@ class TorchEngine:
         policy computes them identically, and a long prompt's scores would not fit in memory as one matrix)."""
         tokens = torch.as_tensor(np.concatenate([s.tokens for s in segments]), device=self.device)
         positions = torch.as_tensor(np.concatenate([s.positions for s in segments]), device=self.device)
-        attention = _PagedAttention(self.kv, segments, group=self.args.group_size, dtype=self.dtype, device=self.device,
-                                    batch_invariant=batch_invariant)
+        if batch_invariant and self.cpu_kernels:
+            attention = _KernelAttention(self.kv, segments, self._pool_bits, device=self.device)
+        else:
+            attention = _PagedAttention(self.kv, segments, group=self.args.group_size, dtype=self.dtype,
+                                        device=self.device, batch_invariant=batch_invariant)
         return self.model(tokens, positions, attention)
 
     def _sample(self, segments: Sequence[_Segment], logits: Tensor) -> list[np.ndarray]:

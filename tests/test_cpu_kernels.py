@@ -1,0 +1,142 @@
+"""The numba CPU kernels for bf16 models (`trt_engines.cpu_kernels`): accuracy against a float64 reference, batch
+invariance by construction (property tests), and bad input. The engine-level tests of the same kernels are in
+`test_engine.py` (bf16 logits equal plain decoding's on every branch of a tree)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from trt_engines.cpu_kernels import Bf16Linear, TreeAttentionLayout, bf16_bits, tree_attention
+
+HYP = settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+
+
+def _bf16(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> torch.Tensor:
+    return torch.from_numpy(rng.standard_normal(shape).astype(np.float32) * scale).bfloat16()
+
+
+def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    """The spacing of bf16 numbers at |x| (8 significant bits)."""
+    exponent = torch.floor(torch.log2(x.abs().clamp_min(2.0 ** -126)))
+    return 2.0 ** (exponent - 7)
+
+
+@pytest.mark.parametrize("out_features, rows", [(960, 1), (576, 2), (963, 7), (64, 70), (5, 129)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_is_the_bf16_rounding_of_the_fp32_product(out_features, rows, with_bias):
+    # Rows beyond one kernel call (64), an odd row count, and an output size that is not a multiple of four (padded)
+    rng = np.random.default_rng(out_features + rows)
+    weight, x = _bf16(rng, out_features, 576), _bf16(rng, rows, 576)
+    bias = _bf16(rng, out_features) if with_bias else None
+    got = Bf16Linear(weight, bias)(x)
+    exact = x.double() @ weight.double().T + (0 if bias is None else bias.double())
+    magnitude = x.double().abs() @ weight.double().abs().T  # sum of |products|: what fp32 accumulation errs against
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    # fp32 accumulation, then one rounding to bf16: one bf16 step from the exact value, plus fp32's summation error
+    tolerance = _bf16_ulp(exact.float()).double() + 1e-5 * magnitude
+    assert ((got.double() - exact).abs() <= tolerance).all()
+
+
+@HYP
+@given(rows=st.integers(1, 80), position=st.integers(0, 79), seed=st.integers(0, 2**16))
+def test_linear_rows_do_not_depend_on_the_batch(rows, position, seed):
+    rng = np.random.default_rng(seed)
+    linear = Bf16Linear(_bf16(rng, 96, 200))
+    row = _bf16(rng, 1, 200)
+    alone = linear(row)
+    batch = _bf16(rng, rows, 200)
+    at = position % rows
+    batch[at] = row[0]
+    # compared before the final rounding to bf16, which would hide most last-bit differences
+    assert torch.equal(linear(batch, fp32_out=True)[at], linear(row, fp32_out=True)[0])
+    assert torch.equal(linear(batch)[at], alone[0])
+
+
+def _tree_mask(parents: list[int]) -> np.ndarray:
+    """[n + 1, n + 1] visibility among root + nodes (node i is row i + 1): itself and its ancestors."""
+    n = len(parents)
+    mask = np.eye(n + 1, dtype=bool)
+    mask[:, 0] = True
+    for i in range(n):
+        p = parents[i]
+        while p >= 0:
+            mask[i + 1, p + 1] = True
+            p = parents[p]
+    return mask
+
+
+trees = st.integers(0, 12).flatmap(
+    lambda n: st.tuples(*[st.integers(-1, i - 1) for i in range(n)]).map(list))
+
+
+def _paged(rng, kv_heads: int, slots: int, dim: int):
+    k, v = _bf16(rng, kv_heads, slots, dim), _bf16(rng, kv_heads, slots, dim)
+    return k, v, bf16_bits(k), bf16_bits(v)
+
+
+@HYP
+@given(parents=trees, context=st.integers(1, 40), seed=st.integers(0, 2**16))
+def test_tree_attention_matches_a_float64_reference(parents, context, seed):
+    rng = np.random.default_rng(seed)
+    heads, kv_heads, dim = 6, 2, 16
+    k, v, k_bits, v_bits = _paged(rng, kv_heads, 128, dim)
+    n = len(parents) + 1
+    slots = rng.permutation(128)[: context + n]  # paged: a request's keys anywhere in the pool
+    mask = _tree_mask(parents)
+    q = _bf16(rng, n, heads, dim)
+    got = tree_attention(q, k_bits, v_bits, TreeAttentionLayout([(0, context, slots, mask)]))
+    keys, values = k[:, slots].double(), v[:, slots].double()
+    for i in range(n):
+        visible = np.concatenate([np.ones(context, bool), mask[i]])
+        for h in range(heads):
+            g = h // (heads // kv_heads)
+            scores = q[i, h].double() @ keys[g, visible].T * dim ** -0.5
+            want = torch.softmax(scores, -1) @ values[g, visible]
+            assert torch.allclose(got[i, h * dim:(h + 1) * dim].double(), want, atol=0.02, rtol=0.02)
+
+
+@HYP
+@given(parents=trees, context=st.integers(1, 40), others=st.integers(0, 3), seed=st.integers(0, 2**16))
+def test_tree_attention_row_equals_plain_decoding_of_its_path(parents, context, others, seed):
+    # Every tree row, on any branch and next to other requests, gets bitwise what plain decoding of its own path
+    # gets: attention over the context and its ancestors laid out contiguously, alone in the batch.
+    rng = np.random.default_rng(seed)
+    heads, kv_heads, dim = 6, 2, 16
+    _, _, k_bits, v_bits = _paged(rng, kv_heads, 512, dim)
+    n = len(parents) + 1
+    pool = rng.permutation(512)
+    slots = pool[: context + n]
+    mask = _tree_mask(parents)
+    q = _bf16(rng, n, heads, dim)
+    # other requests before it in the packed batch, with trees and contexts of their own
+    segments, offset, used, queries = [], 0, context + n, []
+    for _ in range(others):
+        m, c = int(rng.integers(1, 6)), int(rng.integers(1, 30))
+        segments.append((offset, c, pool[used:used + c + m], np.tril(np.ones((m, m), bool))))
+        queries.append(_bf16(rng, m, heads, dim))
+        offset, used = offset + m, used + c + m
+    segments.append((offset, context, slots, mask))
+    # compared before the final rounding to bf16, which would hide most last-bit differences
+    batched = tree_attention(torch.cat(queries + [q]), k_bits, v_bits, TreeAttentionLayout(segments),
+                             fp32_out=True)[offset:]
+    for i in range(n):
+        path = np.flatnonzero(mask[i])  # root, ancestors, itself: in slot order
+        plain_slots = np.concatenate([slots[:context], slots[context + path]])
+        alone = tree_attention(q[i:i + 1], k_bits, v_bits,
+                               TreeAttentionLayout([(0, context + len(path) - 1, plain_slots, np.ones((1, 1), bool))]),
+                               fp32_out=True)
+        assert torch.equal(batched[i], alone[0]), f"row {i} (path {path.tolist()})"
+
+
+def test_bad_input_is_refused():
+    weight = torch.zeros(8, 4, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="bf16 inputs"):
+        Bf16Linear(weight)(torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="contiguous bf16 CPU tensor"):
+        Bf16Linear(weight.float())
+    with pytest.raises(ValueError, match="ctx \\+ rows keys"):
+        TreeAttentionLayout([(0, 5, np.arange(4), np.ones((2, 2), bool))])
