@@ -56,8 +56,9 @@ def build_stack(dtype: torch.dtype, *, num_blocks: int, max_nodes: int = 64, win
     datastore = Datastore.open(default_datastore_dir())
     drafter = Drafter(DrafterConfig(max_budget=max_nodes), datastores=[datastore])
     dtype_name = "float32" if dtype == torch.float32 else "bfloat16"
-    step_model = StepTimeModel(ModelShape.from_config(resolve_model_dir("default")), measure_hardware("cpu"),
-                               dtype=dtype_name, window=window, attention_layout=engine.attention_layout)
+    hardware = measure_hardware("cpu", cpu_kernels=engine.cpu_kernels)  # bf16 FLOP/s of the kernels the engine runs
+    step_model = StepTimeModel(ModelShape.from_config(resolve_model_dir("default")), hardware, dtype=dtype_name,
+                               window=window, attention_layout=engine.attention_layout)
     fit_error = fit_step_model(engine, step_model)
     return engine, drafter, step_model, fit_error
 

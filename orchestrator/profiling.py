@@ -80,21 +80,29 @@ def _timed(fn, sync, repeats: int) -> float:
     return best
 
 
-def measure_hardware(device: str = "cpu", *, size: int | None = None, stream_mb: int = 512, repeats: int = 5) -> HardwareSpec:
+def measure_hardware(device: str = "cpu", *, size: int | None = None, stream_mb: int = 512, repeats: int = 5,
+                     cpu_kernels: bool | None = None) -> HardwareSpec:
     """Matmul FLOP/s per dtype (best of square matmuls), streaming bandwidth (`a + b -> c`, 3 transfers, SSSD's
     method) and a tiny matmul's wall time as the per-step overhead, on `device` (CPU or CUDA).
 
-    `size` defaults to 2048 on a CPU and 8192 on a GPU, where a 2048 matmul is too short to reach peak."""
+    `size` defaults to 2048 on a CPU and 8192 on a GPU, where a 2048 matmul is too short to reach peak.
+    `cpu_kernels` (CPU): time bf16 through the engine's numba kernels (`trt_engines.cpu_kernels`, what
+    `TorchEngine.cpu_kernels` runs) instead of PyTorch's matmul; None: where "auto" would pick them."""
     import torch
+
+    from trt_engines.cpu_kernels import Bf16Linear, cpu_has_native_bf16
 
     dev = torch.device(device)
     size = size or (8192 if dev.type == "cuda" else 2048)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    if cpu_kernels is None:
+        cpu_kernels = dev.type == "cpu" and not cpu_has_native_bf16()
     flops = {}
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
         a = torch.randn(size, size, device=dev, dtype=dtype)
         b = torch.randn(size, size, device=dev, dtype=dtype)
-        seconds = _timed(lambda: a @ b, sync, repeats)
+        matmul = Bf16Linear(b) if cpu_kernels and dtype == torch.bfloat16 else (lambda x: x @ b)
+        seconds = _timed(lambda: matmul(a), sync, repeats)
         flops[name] = 2 * size**3 / seconds
     n = stream_mb * (1 << 20) // 4
     x, y = torch.ones(n, device=dev), torch.ones(n, device=dev)

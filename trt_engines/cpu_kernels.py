@@ -16,8 +16,9 @@ Both are batch-invariant by construction, which is what lossless bf16 speculatio
   token verified anywhere in a draft tree, on any branch, next to any other requests, gets bitwise the result it
   gets in plain decoding (its ancestors are the tokens plain decoding saw, in the same order).
 
-Shapes (packed tokens, `trt_engines.llama` vocabulary): x [T, K] fp32; weights [N, K] bf16 bits (uint16); the KV
-pool of a layer [kv_heads, slots, head_dim] bf16 bits; q [T, heads, head_dim] fp32.
+Shapes (packed tokens, `trt_engines.llama` vocabulary), all bf16 bits (uint16 views, `bf16_bits`): x [T, K];
+weights [N, K]; the KV pool of a layer [kv_heads, slots, head_dim]; q [T, heads, head_dim]. Outputs are bf16 (fp32
+on request, for tests).
 """
 
 from __future__ import annotations
@@ -85,9 +86,9 @@ def _store_overload(out, i, j, values, index):
 @njit(parallel=True, fastmath=_FASTMATH, boundscheck=False, cache=True)
 def _linear_kernel(x: np.ndarray, w: np.ndarray, bias: np.ndarray, out: np.ndarray) -> None:
     """out = x w^T + bias, accumulated in fp32: x [M, K], w [N, K] (N a multiple of WEIGHT_ROWS) bf16 bits, bias [N]
-    fp32, out [M, N] bf16 bits (or fp32). Every output comes out of the same loop body (two input rows x four weight rows,
-    eight independent dot products) whatever M is (an odd last row is paired with itself): that is what makes rows
-    batch-invariant."""
+    fp32, out [M, N] bf16 bits (or fp32). Every output comes out of the same loop body (two input rows x four weight
+    rows, eight independent dot products) whatever M is (an odd last row is paired with itself): that is what makes
+    rows batch-invariant."""
     rows, k_dim = x.shape
     xw = np.empty((rows, k_dim), np.uint32)
     for m in range(rows):

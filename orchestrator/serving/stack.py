@@ -121,7 +121,8 @@ class ServingStack:
         if config.hardware == "measure":
             from orchestrator.profiling import measure_hardware
 
-            spec = measure_hardware(engine.device.type, stream_mb=128, repeats=3)
+            spec = measure_hardware(engine.device.type, stream_mb=128, repeats=3,
+                                    cpu_kernels=getattr(engine, "cpu_kernels", False))
         elif config.hardware == "nominal":
             spec = NOMINAL_CPU
         else:
