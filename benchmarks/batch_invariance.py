@@ -31,12 +31,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.results_files import cpu_description, save_results
+from benchmarks.results_files import save_results
 from benchmarks.throughput import POLICIES, identity_check
 from drafter.tree import DraftTree
 from tools.prompt_sets import PROMPT_SETS
 from tools.trajectories import load_trajectories, spread, trajectory_path
 from trt_engines.base import VerifyItem
+from trt_engines.cpu_kernels import cpu_description
 from trt_engines.torch_engine import TorchEngine
 
 CONFIGS = {  # name -> TorchEngine arguments

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from benchmarks.plotting import panels_by_set
-from benchmarks.results_files import RESULTS, cpu_description, save_results
+from benchmarks.results_files import RESULTS, save_results
 from datastore import Datastore
 from datastore.paths import default_datastore_dir
 from drafter.drafter import Drafter, DrafterConfig
@@ -43,6 +43,7 @@ from orchestrator.request import GenerationRequest
 from orchestrator.roofline import FEATURES, ModelShape, StepTimeModel, nonnegative_lstsq
 from tools.prompt_sets import PROMPT_SETS
 from tools.trajectories import load_trajectories, spread, trajectory_path
+from trt_engines.cpu_kernels import cpu_description
 from trt_engines.prepare import resolve_model_dir
 from trt_engines.torch_engine import TorchEngine
 

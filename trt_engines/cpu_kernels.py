@@ -23,6 +23,9 @@ on request, for tests).
 
 from __future__ import annotations
 
+import os
+import platform
+
 import numpy as np
 import torch
 from numba import njit, prange, types
@@ -53,6 +56,13 @@ def cpu_has_native_bf16() -> bool:
     except OSError:
         return True  # not Linux: keep PyTorch's kernels
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def cpu_description() -> str:
+    """This CPU as CPU benchmarks quote it: architecture, cores, PyTorch's vector ISA, and whether it has bf16
+    dot-product instructions (which decides where "auto" runs these kernels)."""
+    bf16 = "bf16 dot products" if cpu_has_native_bf16() else "no bf16 dot-product instructions"
+    return f"{platform.machine()} {os.cpu_count()} cores ({torch.backends.cpu.get_cpu_capability()}, {bf16})"
 
 
 @njit(inline="always")
