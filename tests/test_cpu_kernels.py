@@ -140,3 +140,17 @@ def test_bad_input_is_refused():
         Bf16Linear(weight.float())
     with pytest.raises(ValueError, match="ctx \\+ rows keys"):
         TreeAttentionLayout([(0, 5, np.arange(4), np.ones((2, 2), bool))])
+
+
+def test_bad_kernel_choices_are_refused_before_loading_anything():
+    from orchestrator.serving.stack import ServingConfig
+    from trt_engines.torch_engine import TorchEngine
+
+    with pytest.raises(ValueError, match="'auto', 'numba' or 'torch'"):
+        TorchEngine("default", cpu_kernels="fast")
+    with pytest.raises(ValueError, match="runs bf16 models on the CPU"):
+        TorchEngine("default", dtype=torch.float32, device="cpu", cpu_kernels="numba")
+    with pytest.raises(ValueError, match="batch-invariant by construction"):
+        TorchEngine("default", device="cpu", cpu_kernels="numba", batch_invariant=False)
+    with pytest.raises(ValueError, match="cpu_kernels must be auto, numba or torch"):
+        ServingConfig(cpu_kernels="fast")

@@ -291,13 +291,16 @@ class TorchEngine:
         self.dtype = dtype
         # bf16 on a CPU without bf16 dot-product instructions: PyTorch's bf16 matmuls take a slow path there, so
         # linear layers and verify attention run numba kernels (`trt_engines.cpu_kernels`), batch-invariant by
-        # construction. "auto" picks them on such CPUs, "numba" always (bf16 on the CPU), "torch" never.
+        # construction. "auto" picks them on such CPUs (unless batch_invariant=False asks for the fused kernels),
+        # "numba" always (bf16 on the CPU), "torch" never.
         if cpu_kernels not in ("auto", "numba", "torch"):
             raise ValueError(f"cpu_kernels must be 'auto', 'numba' or 'torch'; got {cpu_kernels!r}")
         kernels_apply = self.device.type == "cpu" and dtype == torch.bfloat16
         if cpu_kernels == "numba" and not kernels_apply:
             raise ValueError(f"cpu_kernels='numba' runs bf16 models on the CPU; this engine is {dtype} on {self.device}")
-        self.cpu_kernels = kernels_apply and (cpu_kernels == "numba" or (cpu_kernels == "auto" and not cpu_has_native_bf16()))
+        self.cpu_kernels = kernels_apply and (
+            cpu_kernels == "numba"
+            or (cpu_kernels == "auto" and batch_invariant is not False and not cpu_has_native_bf16()))
         # Verify steps in batch-invariant numerics (module docstring): the default for bf16 on the CPU, where it was
         # measured to hold. fp32 matmuls (MKL) round rows differently by row count, so there it would only cost, and
         # fp32 rarely needs it (near-ties close enough to flip are rare); CUDA keeps the fused SDPA kernels.

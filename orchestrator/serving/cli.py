@@ -18,6 +18,9 @@ def _config_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model-name", default="retrospec", help="the model name clients send (OpenAI `model`)")
     g.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    g.add_argument("--cpu-kernels", default="auto", choices=("auto", "numba", "torch"),
+                   help="bf16 on the CPU: numba kernels (batch-invariant on every tree branch) or PyTorch's; auto: "
+                   "numba where the CPU lacks bf16 dot-product instructions")
     g.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks (default: 8 full contexts)")
     g.add_argument("--max-context", type=int, default=2048)
     g.add_argument("--datastore", action="append", default=None,
@@ -36,6 +39,7 @@ def _config(args):
     from orchestrator.serving.stack import ServingConfig
 
     return ServingConfig(model=args.model, model_name=args.model_name, dtype=args.dtype, device=args.device,
+                         cpu_kernels=args.cpu_kernels,
                          num_blocks=args.num_blocks, max_context=args.max_context,
                          datastores=None if args.datastore is None else tuple(args.datastore), policy=args.policy,
                          max_running=args.max_running, hardware=args.hardware, fit_step_model=not args.no_fit,

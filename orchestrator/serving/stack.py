@@ -56,6 +56,7 @@ class ServingConfig:
     hardware: str = "measure"
     fit_step_model: bool = True  # a few seconds of verify steps at start-up to fit this engine's constants
     torch_threads: int | None = None
+    cpu_kernels: str = "auto"  # bf16 on the CPU: TorchEngine's numba kernels ("auto": where it lacks bf16 instructions)
     max_body_bytes: int = 1 << 20  # HTTP bodies above this are refused with 413
     draft_idle_timeout_s: float = 300.0  # retrospec_draft sessions without a call for this long are released
     draft_timeout_s: float | None = None  # a drafting call slower than this makes its step plain decoding
@@ -64,6 +65,8 @@ class ServingConfig:
         BudgetPolicy.parse(self.policy)  # raises a clear ValueError on a typo
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16; got {self.dtype!r}")
+        if self.cpu_kernels not in ("auto", "numba", "torch"):
+            raise ValueError(f"cpu_kernels must be auto, numba or torch; got {self.cpu_kernels!r}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024; got {self.max_body_bytes}")
         if self.draft_idle_timeout_s <= 0:
@@ -115,7 +118,8 @@ class ServingStack:
             torch.set_num_threads(config.torch_threads)
         model_dir = Path(resolve_model_dir(config.model))
         engine = TorchEngine(config.model, dtype=getattr(torch, config.dtype), device=config.device,
-                             num_blocks=config.num_blocks, block_size=config.block_size, max_context=config.max_context)
+                             num_blocks=config.num_blocks, block_size=config.block_size, max_context=config.max_context,
+                             cpu_kernels=config.cpu_kernels)
         drafter = make_drafter(config)
         shape = ModelShape.from_config(model_dir)
         if config.hardware == "measure":
