@@ -317,6 +317,29 @@ def test_drafting_that_costs_more_than_it_returns_backs_off_and_probes_again():
         cheap.observe(decision, accepted=decision.node_probs, draft_s=1e-6, cap=cap)
 
 
+@pytest.mark.parametrize("layout", ["packed", "grouped", "padded"])
+def test_a_batch_with_nothing_drafted_gets_the_full_allocation_s_answer(layout):
+    # Empty trees skip the allocation's machinery; the answer must be the one it gives when no candidate is worth
+    # sending (here: nodes of probability 0): zero nodes, the plain step's prediction, and the same (negative) gain
+    # once drafting has a measured cost, which is what backs drafting off.
+    model = StepTimeModel(LLAMA_8B, KNOWN_HARDWARE["H100-SXM"], attention_layout=layout)
+    context = np.array([300, 1024, 2048, 700])
+    hopeless = [DraftTree.chain([5, 6, 7], probs=np.zeros(3)) for _ in range(4)]
+    answers = []
+    for trees in ([DraftTree.empty()] * 4, hopeless):
+        controller = BudgetController(BudgetPolicy.parse("goodput"), model)
+        _, warm = controller.allocate([DraftTree.empty()] * 4, context)
+        controller.observe(warm, accepted=np.zeros(0), draft_s=0.004, cap=8, measured_s=warm.predicted_step_s)
+        sent, decision = controller.allocate(trees, context, request_ids=["a", "b", "c", "d"])
+        assert all(len(t) == 0 for t in sent) and decision.node_probs.size == 0
+        answers.append(decision)
+    empty, full = answers
+    assert np.array_equal(empty.nodes, full.nodes) and np.array_equal(empty.predicted_tokens, full.predicted_tokens)
+    assert empty.predicted_step_s == pytest.approx(full.predicted_step_s, rel=1e-12)
+    assert empty.no_speculation_step_s == full.no_speculation_step_s and empty.request_ids == full.request_ids
+    assert empty.gain == pytest.approx(full.gain, rel=1e-9) and empty.gain < 0
+
+
 def test_speculated_tokens_that_cost_more_than_predicted_get_fewer_nodes():
     model = h100_model()
     controller = BudgetController(BudgetPolicy.parse("goodput"), model)
