@@ -28,8 +28,8 @@ from benchmarks.plotting import panels_by_set
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-NAMES = ("datastore", "verify_cost", "acceptance", "draft_batch", "throughput", "batch_invariance", "serving",
-         "simulator_validation", "projection", "gpu_verify_cost")
+NAMES = ("datastore", "verify_cost", "acceptance", "draft_batch", "throughput", "throughput_avx2", "batch_invariance",
+         "serving", "simulator_validation", "projection", "gpu_verify_cost")
 BEGIN, END = "<!-- headline:begin -->", "<!-- headline:end -->"
 
 
@@ -76,18 +76,9 @@ def headline_rows(results: dict[str, dict]) -> list[tuple[str, str, str, str]]:
         s = results["draft_batch"]["summary"]
         rows.append(("draft() p50 for 64 requests at budget 32, ms", _fmt(s.get("draft_ms_p50_batch64_b32")), "<= 3",
                      "draft_batch"))
-    if "throughput" in results:
-        s = results["throughput"]["summary"]
-        c1 = ", ".join(f"{k.rsplit('_', 1)[1]} {v:.2f}" for k, v in s.items() if k.startswith("speedup_goodput_c1_"))
-        rows.append(("goodput speedup over plain decoding at concurrency 1 (CPU)", c1,
-                     ">= 2 grounded, humaneval; >= 1.4 mtbench", "throughput"))
-        rows.append(("goodput / none, min over caps and sets", _fmt(s.get("goodput_vs_none_min")), ">= 1.0", "throughput"))
-        rows.append(("goodput / best fixed policy, min over caps and sets", _fmt(s.get("goodput_vs_best_fixed_min")),
-                     ">= 0.97", "throughput"))
-        rows.append(("step-time model median relative error", _fmt(s.get("step_model_median_abs_err"), ".3f"), "<= 0.10",
-                     "throughput"))
-        rows.append(("fp32 outputs identical to plain decoding", _fmt(s.get("identical_outputs_fraction"), ".0%"),
-                     "100%", "throughput"))
+    for name in ("throughput", "throughput_avx2"):
+        if name in results:
+            rows.extend(_throughput_rows(results[name], name))
     if "batch_invariance" in results:
         s = results["batch_invariance"]["summary"]
         rows.append(("bf16 speculative outputs identical to plain decoding: numba kernels, PyTorch batch-invariant, "
@@ -128,6 +119,30 @@ def headline_rows(results: dict[str, dict]) -> list[tuple[str, str, str, str]]:
         if "lossless" in g:
             rows.append((f"identical greedy outputs with speculation on {g['device']} (fp32, random weights)",
                          f"{g['lossless']['identical_outputs_fraction']:.0%}", "100%", "gpu_verify_cost"))
+    return rows
+
+
+def _throughput_rows(result: dict, source: str) -> list[tuple[str, str, str, str]]:
+    """Headline rows of one throughput run, labelled with the machine it ran on (runs on different CPUs differ by
+    their bf16 kernels, not only by speed) and, for a partial run, its prompt sets and caps."""
+    s = result["summary"]
+    where = f"CPU: {result.get('machine', 'unrecorded')}"
+    caps = sorted({row["cap"] for row in result.get("rows", [])})
+    if source != "throughput":
+        where += f"; caps {', '.join(map(str, caps))} only"
+    c1 = ", ".join(f"{k.rsplit('_', 1)[1]} {v:.2f}" for k, v in s.items() if k.startswith("speedup_goodput_c1_"))
+    rows = [(f"goodput speedup over plain decoding at concurrency 1 ({where})", c1,
+             ">= 2 grounded, humaneval; >= 1.4 mtbench", source),
+            (f"goodput / none, min over caps and sets ({where})", _fmt(s.get("goodput_vs_none_min")), ">= 1.0", source),
+            (f"goodput / best fixed policy, min over caps and sets ({where})", _fmt(s.get("goodput_vs_best_fixed_min")),
+             ">= 0.97", source),
+            (f"step-time model median relative error ({where})", _fmt(s.get("step_model_median_abs_err"), ".3f"),
+             "<= 0.10", source),
+            (f"fp32 outputs identical to plain decoding ({where})", _fmt(s.get("identical_outputs_fraction"), ".0%"),
+             "100%", source)]
+    if "bf16_divergences" in s:
+        rows.append((f"bf16 outputs differing from plain decoding, all speculating rows ({where})",
+                     str(s["bf16_divergences"]), "", source))
     return rows
 
 

@@ -22,10 +22,16 @@ def test_headline_numbers_are_read_from_the_results(tmp_path):
     results = {"throughput": {"summary": {"speedup_goodput_c1_grounded": 2.345, "goodput_vs_none_min": 1.01,
                                           "goodput_vs_best_fixed_min": 0.99, "step_model_median_abs_err": 0.05,
                                           "identical_outputs_fraction": 1.0}},
+               "throughput_avx2": {"machine": "x86_64 2 cores (AVX2, no bf16 dot-product instructions)",
+                                   "rows": [{"cap": 16}, {"cap": 1}],
+                                   "summary": {"speedup_goodput_c1_humaneval": 1.614, "bf16_divergences": 0}},
                "simulator_validation": {"summary": {"sim_vs_measured_max_abs_err": 0.087}}}
     rows = report.headline_rows(results)
     table = report.headline_markdown(rows)
     assert "grounded 2.35" in table and "8.7%" in table and "| 1.01 |" in table
+    partial = [r for r in rows if r[3] == "throughput_avx2"]
+    assert partial[0][1] == "humaneval 1.61" and "(AVX2, no bf16" in partial[0][0] and "caps 1, 16 only" in partial[0][0]
+    assert ("| 0 |" in table) and any("differing" in r[0] for r in partial)
 
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n{report.BEGIN}\nstale table\n{report.END}\nrest\n")
