@@ -124,12 +124,10 @@ def headline_rows(results: dict[str, dict]) -> list[tuple[str, str, str, str]]:
 
 def _throughput_rows(result: dict, source: str) -> list[tuple[str, str, str, str]]:
     """Headline rows of one throughput run, labelled with the machine it ran on (runs on different CPUs differ by
-    their bf16 kernels, not only by speed) and, for a partial run, its prompt sets and caps."""
+    their bf16 kernels, not only by speed) and the caps it measured (the mins below are over those only)."""
     s = result["summary"]
-    where = f"CPU: {result.get('machine', 'unrecorded')}"
     caps = sorted({row["cap"] for row in result.get("rows", [])})
-    if source != "throughput":
-        where += f"; caps {', '.join(map(str, caps))} only"
+    where = f"CPU: {result.get('machine', 'unrecorded')}; caps {', '.join(map(str, caps))}"
     c1 = ", ".join(f"{k.rsplit('_', 1)[1]} {v:.2f}" for k, v in s.items() if k.startswith("speedup_goodput_c1_"))
     rows = [(f"goodput speedup over plain decoding at concurrency 1 ({where})", c1,
              ">= 2 grounded, humaneval; >= 1.4 mtbench", source),
