@@ -11,10 +11,12 @@ Both are batch-invariant by construction, which is what lossless bf16 speculatio
 - `linear`: every output element is one dot product over the input features, in a fixed order that depends only on
   the layer's shape, never on how many rows are computed together or where a row sits in the batch.
 - `tree_attention`: each query row attends over exactly the keys it may see (its context, its tree ancestors,
-  itself), in slot order, skipping masked keys instead of adding their zero weights. The scores, the softmax sum
-  and the weighted sum of values are all accumulated over the visible keys alone, one key after the other, so a
-  token verified anywhere in a draft tree, on any branch, next to any other requests, gets bitwise the result it
-  gets in plain decoding (its ancestors are the tokens plain decoding saw, in the same order).
+  itself), gathered into one list in slot order; masked keys are left out, not given zero weight. A score is one dot
+  product over head_dim whatever else is computed beside it, and the softmax and the weighted sum of values run
+  over that list alone, split into vector lanes in a way that depends only on its length. A draft token's list is
+  the one plain decoding of its path sees (its ancestors are the tokens plain decoding saw, in the same order), so
+  verified anywhere in a draft tree, on any branch, next to any other requests, it gets bitwise the result it gets
+  in plain decoding.
 
 Shapes (packed tokens, `trt_engines.llama` vocabulary), all bf16 bits (uint16 views, `bf16_bits`): x [T, K];
 weights [N, K]; the KV pool of a layer [kv_heads, slots, head_dim]; q [T, heads, head_dim]. Outputs are bf16 (fp32
@@ -23,6 +25,7 @@ on request, for tests).
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 
@@ -33,8 +36,8 @@ from numba.extending import overload
 from torch import Tensor
 
 # Reassociation lets the dot products vectorise (a fixed split into lanes, the same for every row); contraction
-# fuses multiply-adds. Neither depends on the data or on the batch, so results stay batch-invariant. Sums whose
-# order must follow the keys (softmax) are compiled without them.
+# fuses multiply-adds. Neither depends on the data or on the batch, so results stay batch-invariant (attention's
+# sums over keys run over each row's own key list, so there too the split depends only on that list).
 _FASTMATH = {"reassoc", "contract", "nsz"}
 WEIGHT_ROWS = 4  # output features per task of `_linear_kernel` (times two input rows: eight dot products at once)
 _ROW_CHUNK = 64  # input rows per kernel call (even): a chunk stays in L2 while every weight tile streams past it
@@ -164,110 +167,146 @@ class Bf16Linear:
 
 
 # exp(x) for x <= 0 (Cephes' expf: x = n ln2 + r, a degree-7 polynomial in r, times 2^n): within 1 ulp of the C
-# library's expf, and written so that LLVM vectorises it. Plain IEEE arithmetic, no fast-math: the vector body and
-# the scalar tail compute every element identically, so a key's weight never depends on where it sits in a row.
+# library's expf, and written so that LLVM vectorises it.
 _LOG2E = np.float32(1.4426950408889634)
 _LN2_HI, _LN2_LO = np.float32(0.693359375), np.float32(-2.12194440e-4)
 _EXP_POLY = tuple(np.float32(c) for c in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
                                           1.6666665459e-1, 5.0000001201e-1))
 _EXP_FLOOR = np.float32(-87.0)  # below it exp underflows to (nearly) 0 and 2^n would leave the normal range
+_ROWS_PER_TASK = 16  # query rows (tokens x heads of a KV group) per task of `_tree_attention_kernel`
+_KEY_TILE = 4  # keys per step of the score loop (times two query rows: eight dot products at once, as in `linear`)
 
 
-@njit(fastmath=_FASTMATH, boundscheck=False, cache=True)
-def _dot(a: np.ndarray, b: np.ndarray) -> np.float32:
-    """A dot product in fp32, vectorised: its split into lanes depends only on the length."""
-    total = np.float32(0.0)
-    for d in range(a.shape[0]):
-        total += a[d] * b[d]
-    return total
+@njit(inline="always")
+def _gather_widened(pool, kv, slots, out, dim):
+    """out[j] = pool[kv, slots[j]] widened to fp32 (bits): a segment's keys or values, contiguous."""
+    for j in range(slots.shape[0]):
+        slot = slots[j]
+        for d in range(dim):
+            out[j, d] = _widen(pool[kv, slot, d])
 
 
-@njit(fastmath=_FASTMATH, boundscheck=False, cache=True)
-def _row_max(row: np.ndarray) -> np.float32:
-    top = np.float32(-np.inf)  # exact in any order: the vectorised maximum is the maximum
-    for j in range(row.shape[0]):
-        top = max(top, row[j])
-    return top
+@njit(inline="always")
+def _scores(qf, kf, scores, dim):
+    """scores[i, j] = qf[i] . kf[j] for every query row and key. Every score comes out of the same loop body (two
+    rows x four keys, eight dot products over head_dim, vectorised along it); odd edges repeat their last row or key
+    rather than running a different loop, so a score depends only on its two vectors."""
+    rows, keys = qf.shape[0], kf.shape[0]
+    for i in range(0, rows, 2):
+        ia, ib = i, min(i + 1, rows - 1)
+        qa, qb = qf[ia], qf[ib]
+        for j in range(0, keys, _KEY_TILE):
+            j0, j1, j2, j3 = j, min(j + 1, keys - 1), min(j + 2, keys - 1), min(j + 3, keys - 1)
+            k0, k1, k2, k3 = kf[j0], kf[j1], kf[j2], kf[j3]
+            a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
+            for d in range(dim):
+                u, v = qa[d], qb[d]
+                a0 += u * k0[d]
+                a1 += u * k1[d]
+                a2 += u * k2[d]
+                a3 += u * k3[d]
+                b0 += v * k0[d]
+                b1 += v * k1[d]
+                b2 += v * k2[d]
+                b3 += v * k3[d]
+            scores[ia, j0], scores[ia, j1], scores[ia, j2], scores[ia, j3] = a0, a1, a2, a3
+            scores[ib, j0], scores[ib, j1], scores[ib, j2], scores[ib, j3] = b0, b1, b2, b3
 
 
-@njit(boundscheck=False, cache=True)
-def _softmax_in_place(row: np.ndarray, scratch: np.ndarray) -> np.float32:
-    """exp(score - max) in place over one row of scores (masked keys: -inf -> 0); returns their sum. `scratch`: uint32
-    [>= len(row)]. The sum runs one key after the other (no fast-math), so masked keys, exact zeros, change nothing
-    and it depends only on the visible keys and their order."""
+@njit(inline="always")
+def _softmax_weights(weights, m, power_bits):
+    """weights[:m] <- exp(weights[:m] - max) in place (Cephes' expf, above; 0 below `_EXP_FLOOR`); returns their sum.
+    `power_bits`: uint32 scratch [>= m] for the 2^k factors."""
     p0, p1, p2, p3, p4, p5 = _EXP_POLY
-    n = row.shape[0]
-    top = _row_max(row)
-    powers = scratch[:n].view(np.float32)
-    for j in range(n):
-        x = max(row[j] - top, _EXP_FLOOR)
-        k = np.floor(x * _LOG2E + np.float32(0.5))
-        r = x - k * _LN2_HI - k * _LN2_LO
-        scratch[j] = np.uint32(np.int32(k) + np.int32(127)) << np.uint32(23)  # the bits of 2^k
-        row_j = (((((p0 * r + p1) * r + p2) * r + p3) * r + p4) * r + p5) * (r * r) + r + np.float32(1.0)
-        row[j] = row_j if row[j] - top > _EXP_FLOOR else np.float32(0.0)
+    top = np.float32(-np.inf)
+    for t in range(m):
+        top = max(top, weights[t])
+    for t in range(m):
+        x = weights[t] - top
+        clamped = max(x, _EXP_FLOOR)
+        k = np.floor(clamped * _LOG2E + np.float32(0.5))
+        r = clamped - k * _LN2_HI - k * _LN2_LO
+        power_bits[t] = np.uint32(np.int32(k) + np.int32(127)) << np.uint32(23)  # the bits of 2^k
+        poly = (((((p0 * r + p1) * r + p2) * r + p3) * r + p4) * r + p5) * (r * r) + r + np.float32(1.0)
+        weights[t] = poly if x > _EXP_FLOOR else np.float32(0.0)
+    powers = power_bits.view(np.float32)
     total = np.float32(0.0)
-    for j in range(n):
-        row[j] *= powers[j]
-        total += row[j]
+    for t in range(m):
+        weights[t] *= powers[t]
+        total += weights[t]
     return total
 
 
-# No fast-math here: numba compiles the functions a kernel calls with the kernel's own fast-math flags, which would
-# let LLVM reorder the softmax sum. Only `_dot` and `_row_max` carry them, where order does not matter.
-@njit(parallel=True, boundscheck=False, cache=True)
-def _tree_attention_kernel(q, k_pool, v_pool, row_start, rows, ctx, key_start, key_slots, mask_start, mask,
-                           group, scale, out):
-    """For every (segment, query head): softmax(q k^T * scale) v over each row's visible keys (module docstring).
+@functools.cache
+def _tree_attention_kernel(head_dim: int):
+    """The attention kernel compiled for one head_dim: a constant there, so the loops over it unroll."""
 
-    q [T, H, D], k_pool and v_pool [KV, slots, D], out [T, H * D]: all bf16 bits. Per segment s: its first packed row
-    `row_start[s]`, `rows[s]` query rows, `ctx[s]` cached keys, its keys' flat slots
-    `key_slots[key_start[s]:][:ctx + rows]`, and its [rows, rows] mask over its own new tokens at
-    `mask[mask_start[s]:]` (uint8, row-major). Scores, softmax and the weighted sum run in fp32; `out` may be fp32."""
-    n_heads, dim = q.shape[1], q.shape[2]
-    for task in prange(row_start.shape[0] * n_heads):
-        s = task // n_heads
-        h = task % n_heads
-        kv = h // group
-        n, c, r0 = rows[s], ctx[s], row_start[s]
-        keys = c + n
-        q_bits = np.empty((n, dim), np.uint32)
-        for i in range(n):
-            for d in range(dim):
-                q_bits[i, d] = _widen(q[r0 + i, h, d])
-        qf = q_bits.view(np.float32)
-        scores = np.empty((n, keys), np.float32)
-        bits = np.empty(dim, np.uint32)
-        wide = bits.view(np.float32)  # the current key (then value) row, widened to fp32
-        for j in range(keys):
-            slot = key_slots[key_start[s] + j]
-            for d in range(dim):
-                bits[d] = _widen(k_pool[kv, slot, d])
-            for i in range(n):
-                if j < c or mask[mask_start[s] + i * n + (j - c)]:
-                    scores[i, j] = _dot(qf[i], wide) * scale
-                else:
-                    scores[i, j] = -np.inf
-        totals = np.empty(n, np.float32)
-        scratch = np.empty(keys, np.uint32)
-        for i in range(n):
-            totals[i] = _softmax_in_place(scores[i], scratch)
-        acc_v = np.zeros((n, dim), np.float32)
-        for j in range(keys):
-            slot = key_slots[key_start[s] + j]
-            for d in range(dim):
-                bits[d] = _widen(v_pool[kv, slot, d])
-            for i in range(n):
-                p = scores[i, j]
-                if p > 0:
+    @njit(parallel=True, fastmath=_FASTMATH, boundscheck=False, cache=True)
+    def kernel(q, k_pool, v_pool, row_start, rows, ctx, key_start, key_slots, mask_start, mask,
+               task_segment, task_kv, task_first, task_rows, group, scale, out):
+        """softmax(q k^T * scale) v for every query row, over its visible keys only (module docstring). A task is
+        a run of `task_rows` query rows from `task_first` of segment `task_segment`'s rows under the heads that
+        share KV head `task_kv`, counted head-major (row g * n + i is token i under head task_kv * group + g).
+
+        q [T, H, D], k_pool and v_pool [KV, slots, D], out [T, H * D]: all bf16 bits. Per segment s: its first
+        packed row `row_start[s]`, `rows[s]` query rows, `ctx[s]` cached keys, its keys' flat slots
+        `key_slots[key_start[s]:][:ctx + rows]`, and its [rows, rows] mask over its own new tokens at
+        `mask[mask_start[s]:]` (uint8, row-major). Scores, softmax and the weighted sum run in fp32; `out` may be
+        fp32."""
+        dim = head_dim
+        for task in prange(task_segment.shape[0]):
+            s, kv, first, count = task_segment[task], task_kv[task], task_first[task], task_rows[task]
+            n, c, r0 = rows[s], ctx[s], row_start[s]
+            keys = c + n
+            slots = key_slots[key_start[s]:key_start[s] + keys]
+            q_bits = np.empty((count, dim), np.uint32)
+            for row in range(count):
+                g, i = divmod(first + row, n)
+                for d in range(dim):
+                    q_bits[row, d] = _widen(q[r0 + i, kv * group + g, d])
+            kv_bits = np.empty((keys, dim), np.uint32)
+            _gather_widened(k_pool, kv, slots, kv_bits, dim)
+            scores = np.empty((count, keys), np.float32)
+            _scores(q_bits.view(np.float32), kv_bits.view(np.float32), scores, dim)
+            _gather_widened(v_pool, kv, slots, kv_bits, dim)  # the keys are done with: their buffer takes the values
+            vf = kv_bits.view(np.float32)
+            visible = np.arange(keys)
+            weights = np.empty(keys, np.float32)
+            power_bits = np.empty(keys, np.uint32)
+            acc = np.empty(dim, np.float32)
+            for row in range(count):
+                g, i = divmod(first + row, n)
+                # the keys this row sees, in slot order: its context, then its ancestors and itself. For a draft
+                # token that is exactly the key list plain decoding of its path sees, so everything below, which
+                # depends only on that list (its length fixes how the sums split into vector lanes), matches plain
+                # decoding bitwise.
+                m = c
+                for j in range(n):
+                    if mask[mask_start[s] + i * n + j]:
+                        visible[m] = c + j
+                        m += 1
+                for t in range(m):
+                    weights[t] = scores[row, visible[t]] * scale
+                total = _softmax_weights(weights, m, power_bits)
+                acc[:] = 0.0
+                # four keys per pass over the accumulator (a pass loads and stores every lane); the last m % 4 keys
+                # one at a time. How the sum groups depends only on m.
+                for t in range(0, m - 3, 4):
+                    p0, p1, p2, p3 = weights[t], weights[t + 1], weights[t + 2], weights[t + 3]
+                    v0, v1, v2, v3 = vf[visible[t]], vf[visible[t + 1]], vf[visible[t + 2]], vf[visible[t + 3]]
                     for d in range(dim):
-                        acc_v[i, d] += p * wide[d]
-        result = np.empty(dim, np.float32)
-        for i in range(n):
-            for d in range(dim):
-                result[d] = acc_v[i, d] / totals[i]
-            for d in range(dim):
-                _store(out, r0 + i, h * dim + d, result, d)
+                        acc[d] = acc[d] + p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d]
+                for t in range(m - m % 4, m):
+                    p, value = weights[t], vf[visible[t]]
+                    for d in range(dim):
+                        acc[d] += p * value[d]
+                for d in range(dim):
+                    acc[d] /= total
+                h = kv * group + g
+                for d in range(dim):
+                    _store(out, r0 + i, h * dim + d, acc, d)
+
+    return kernel
 
 
 def tree_attention(q: Tensor, k_pool: np.ndarray, v_pool: np.ndarray, layout: "TreeAttentionLayout", *,
@@ -276,9 +315,10 @@ def tree_attention(q: Tensor, k_pool: np.ndarray, v_pool: np.ndarray, layout: "T
     (`fp32_out`: before the final rounding, for tests)."""
     T, H, D = q.shape
     out = np.empty((T, H * D), np.float32 if fp32_out else np.uint16)
-    _tree_attention_kernel(bf16_bits(q.detach().contiguous()), k_pool, v_pool, layout.row_start, layout.rows,
-                           layout.ctx, layout.key_start, layout.key_slots, layout.mask_start, layout.mask,
-                           H // k_pool.shape[0], np.float32(D ** -0.5), out)
+    tasks = layout.tasks(k_pool.shape[0], H // k_pool.shape[0])
+    _tree_attention_kernel(D)(bf16_bits(q.detach().contiguous()), k_pool, v_pool, layout.row_start, layout.rows,
+                              layout.ctx, layout.key_start, layout.key_slots, layout.mask_start, layout.mask, *tasks,
+                              H // k_pool.shape[0], np.float32(D ** -0.5), out)
     return torch.from_numpy(out) if fp32_out else torch.from_numpy(out).view(torch.bfloat16)
 
 
@@ -298,3 +338,16 @@ class TreeAttentionLayout:
         self.mask_start = np.concatenate([[0], np.cumsum([k * k for k in n])[:-1]]).astype(np.int64)
         if not np.array_equal(self.key_start + self.ctx + self.rows, np.cumsum([len(s) for _, _, s, _ in segments])):
             raise ValueError("each segment needs the flat slots of its context and its new tokens (ctx + rows keys)")
+        self._tasks: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}
+
+    def tasks(self, kv_heads: int, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The kernel's tasks (segment, KV head, first row, rows), at most `_ROWS_PER_TASK` query rows each: a
+        segment's keys are gathered once per task, and a long tree still splits across the cores."""
+        if (kv_heads, group) not in self._tasks:
+            rows = np.repeat(self.rows * group, kv_heads)  # per (segment, KV head), segment-major
+            chunks = -(-rows // _ROWS_PER_TASK)
+            pair = np.repeat(np.arange(len(rows)), chunks)
+            part = np.arange(len(pair)) - np.repeat(np.cumsum(chunks) - chunks, chunks)  # chunk number in its pair
+            first, end = part * rows[pair] // chunks[pair], (part + 1) * rows[pair] // chunks[pair]
+            self._tasks[kv_heads, group] = (pair // kv_heads, pair % kv_heads, first, end - first)
+        return self._tasks[kv_heads, group]
