@@ -28,7 +28,7 @@ def test_headline_numbers_are_read_from_the_results(tmp_path):
                "simulator_validation": {"summary": {"sim_vs_measured_max_abs_err": 0.087}}}
     rows = report.headline_rows(results)
     table = report.headline_markdown(rows)
-    assert "grounded 2.35" in table and "8.7%" in table and "| 1.01 |" in table
+    assert "grounded 2.35" in table and "8.7%" in table and "| 1.010 |" in table
     partial = [r for r in rows if r[3] == "throughput_avx2"]
     assert partial[0][1] == "humaneval 1.61" and "(AVX2, no bf16" in partial[0][0] and "caps 1, 16)" in partial[0][0]
     assert ("| 0 |" in table) and any("differing" in r[0] for r in partial)
