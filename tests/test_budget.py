@@ -139,7 +139,6 @@ def test_step_model_refit_recovers_a_linear_cost():
     assert model.predict(tokens, context) == pytest.approx(truth.predict(tokens, context), rel=1e-3)
 
 
-
 def test_step_model_fit_ignores_steps_slowed_by_background_load():
     # On a shared machine a burst of background load doubles a few steps; the typical step must stay predicted
     # right (a least-squares fit would move every prediction toward the slowed ones).
@@ -158,6 +157,7 @@ def test_step_model_fit_ignores_steps_slowed_by_background_load():
     clean = [(t, c, m) for i, (t, c, m) in enumerate(steps) if i % 10]
     errors = [abs(model.predict(t, c) - m) / m for t, c, m in clean]
     assert np.median(errors) < 0.01
+
 
 def test_free_budget_matches_the_ridge_formula():
     model = h100_model()
