@@ -364,14 +364,16 @@ class BudgetController:
         k = int(np.argmax(goodput))  # first maximum: the fewest nodes that reach the best goodput
         keep = np.arange(k)  # positions in `order` of the chosen nodes
         best = goodput[k]
-        if model.attention_layout == "grouped" and b > MAX_GROUPS and k > 0:
+        if model.attention_layout == "grouped" and b > 1 and k > 0:
             # The prefix curve prices each request's attention alone (packed). The engine pads every request of an
             # SDPA call to the call's deepest tree, so a few deep trees in a batch of shallow ones cost more than
             # that (the step-time model fitted on the CPU's grounded-set steps at cap 32 prices 48 nodes on 6 of 32
             # requests at 76% of the extra time of 128 nodes spread evenly; priced packed, 53%). So the
             # best prefix is compared, at the engine's own grouping, with orders that cap every request at L nodes
             # (L = 1, 2, 4, 8): each one's best prefix and the whole of it (every request's best L nodes: one
-            # shape, one call). With at most MAX_GROUPS requests every request can have a call of its own.
+            # shape, one call). Small batches too: every call beyond one per layer costs host work (the step-time
+            # model's `attention_calls` feature; ~4 ms of a 75 ms step at batch 4 on the CPU), which the packed
+            # pricing cannot see: at cap 4, goodput's uneven trees took 4 calls where `fixed:4`'s took one.
             best = self._grouped_goodput(keep, owner, expected[k], context, draft_s, tpot_s, plain_s)
             for cap in (1, 2, 4, 8):
                 within = np.flatnonzero(rank_in_owner < cap)
@@ -422,6 +424,8 @@ class BudgetController:
             attention,
             model.lm_head_seconds(total),
             total,
+            # priced as packed while choosing (see `allocate`): the plain step's calls, whatever is added
+            np.full(k_max + 1, model.extra_attention_calls(np.ones(b), context)),
         ], axis=1)
         return features @ model.coefficients
 

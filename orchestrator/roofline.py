@@ -11,8 +11,11 @@ prompt for a prefill) against `context[i]` cached tokens. Per decoder layer the 
   and once per step: LM head 2 T h V, bytes V h + T (h + V).
 
 Each operator costs max(FLOPs / peak, bytes / bandwidth) (sizes times the dtype's bytes), summed per class into a
-feature vector [1, linear, attention, lm_head, T]. The predicted time is its dot product with fitted coefficients;
-the defaults [overhead, 1, 1, 1, 0] are the pure roofline, and `fit`/`observe` refit them by least squares on
+feature vector [1, linear, attention, lm_head, T, extra attention calls]. The last counts, on an engine that splits
+a step's attention into several calls (`attention_layout="grouped"`), the calls beyond one per layer: each costs
+host work no roofline sees (~140 us of PyTorch ops per call and layer on the CPU, 4 ms of a 60 ms step per extra
+call). The predicted time is the feature vector's dot product with fitted coefficients; the defaults
+[overhead, 1, 1, 1, 0, 0] are the pure roofline, and `fit`/`observe` refit them by least squares on
 measured steps (online, from the engine's timings), which absorbs what the roofline leaves out (kernel efficiency,
 per-token framework costs, norms and RoPE).
 
@@ -126,7 +129,7 @@ class ModelShape:
         return self.n_layers * per_layer + self.vocab * h
 
 
-FEATURES = ("overhead", "linear", "attention", "lm_head", "tokens")
+FEATURES = ("overhead", "linear", "attention", "lm_head", "tokens", "attention_calls")
 ATTENTION_LAYOUTS = ("packed", "grouped", "padded")
 IRLS_PASSES = 6  # reweighted least-squares passes per fit (`StepTimeModel.fit_samples`); they settle within a few
 
@@ -154,8 +157,8 @@ class StepTimeModel:
         if self.attention_layout not in ATTENTION_LAYOUTS:
             raise ValueError(f"unknown attention layout {self.attention_layout!r}; use one of {ATTENTION_LAYOUTS}")
         if self.coefficients is None:
-            self.coefficients = np.array([self.hardware.overhead_s, 1.0, 1.0, 1.0, 0.0])
-        self.coefficients = np.asarray(self.coefficients, dtype=np.float64)
+            self.coefficients = np.array([self.hardware.overhead_s, 1.0, 1.0, 1.0, 0.0, 0.0])
+        self.coefficients = step_coefficients(self.coefficients)
         self._samples = deque(maxlen=self.window)
         self._anchors: list[tuple[np.ndarray, float]] = []  # the start-up calibration sweep (`fit`), kept for refits
         self._observed = 0
@@ -188,10 +191,17 @@ class StepTimeModel:
 
     def batch_attention_seconds(self, tokens, context) -> float:
         """All requests of one step, in this engine's attention layout."""
+        return self._attention_terms(tokens, context)[0]
+
+    def extra_attention_calls(self, tokens, context) -> float:
+        """Attention calls of one step beyond one per layer (only a "grouped" engine makes more than one)."""
+        return self._attention_terms(tokens, context)[1]
+
+    def _attention_terms(self, tokens, context) -> tuple[float, float]:
         t = np.asarray(tokens, dtype=np.float64)
         c = np.asarray(context, dtype=np.float64)
         if self.attention_layout == "packed" or t.size == 0:
-            return float(self.attention_seconds(t, c).sum())
+            return float(self.attention_seconds(t, c).sum()), 0.0
         if self.attention_layout == "padded":
             groups = [np.arange(t.size)]
         else:
@@ -203,7 +213,7 @@ class StepTimeModel:
         starts = np.cumsum(sizes) - sizes
         rows = np.maximum.reduceat(t[members], starts)
         keys = np.maximum.reduceat((c + t)[members], starts)
-        return float(sizes @ self.attention_seconds(rows, keys - rows))
+        return float(sizes @ self.attention_seconds(rows, keys - rows)), float(self.shape.n_layers * (len(groups) - 1))
 
     def lm_head_seconds(self, total_tokens) -> np.ndarray:
         s, e = self.shape, DTYPE_BYTES[self.dtype]
@@ -214,12 +224,14 @@ class StepTimeModel:
     def features(self, tokens, context) -> np.ndarray:
         tokens = np.asarray(tokens, dtype=np.float64)
         total = tokens.sum()
+        attention_s, extra_calls = self._attention_terms(tokens, context)
         return np.array([
             1.0,
             float(self.linear_seconds(total)),
-            self.batch_attention_seconds(tokens, context),
+            attention_s,
             float(self.lm_head_seconds(total)),
             total,
+            extra_calls,
         ])
 
     def predict(self, tokens, context) -> float:
@@ -277,6 +289,18 @@ class StepTimeModel:
     def free_budget(self) -> float:
         """Tokens per step (b*s) at which the linear layers turn compute-bound: peak * bytes / (2 * bandwidth)."""
         return self.hardware.flops(self.dtype) * DTYPE_BYTES[self.dtype] / (2 * self.hardware.mem_bandwidth)
+
+
+def step_coefficients(values) -> np.ndarray:
+    """Coefficients over `FEATURES` as float64; the 5 of results written before the `attention_calls` feature get a
+    0 for it (what those fits implied: its cost was spread over the others)."""
+    coefficients = np.asarray(values, dtype=np.float64)
+    if coefficients.shape == (len(FEATURES) - 1,):
+        coefficients = np.append(coefficients, 0.0)
+    if coefficients.shape != (len(FEATURES),):
+        raise ValueError(f"step-time coefficients need {len(FEATURES)} values ({', '.join(FEATURES)}); got "
+                         f"{coefficients.shape}")
+    return coefficients
 
 
 def nonnegative_lstsq(X: np.ndarray, y: np.ndarray) -> np.ndarray:

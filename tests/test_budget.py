@@ -76,7 +76,7 @@ def test_speculation_turns_off_when_extra_tokens_cost_a_full_step():
     assert goodput_nodes(model, 4, 0.9).sum() == 0
     # Same cost model via fitted coefficients: time = c * total tokens, no fixed part.
     model = h100_model()
-    model.coefficients = np.array([0.0, 0.0, 0.0, 0.0, 1e-3])
+    model.coefficients = np.array([0.0, 0.0, 0.0, 0.0, 1e-3, 0.0])
     assert goodput_nodes(model, 4, 0.95).sum() == 0
 
 
@@ -130,7 +130,7 @@ def test_step_model_refit_recovers_a_linear_cost():
                                     "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152})
     model = StepTimeModel(shape, HardwareSpec("cpu", {"bfloat16": 3e11}, 3e10))
     rng = np.random.default_rng(1)
-    truth = model.__class__(shape, model.hardware, coefficients=np.array([4e-3, 1.5, 3.0, 1.2, 2e-5]))
+    truth = model.__class__(shape, model.hardware, coefficients=np.array([4e-3, 1.5, 3.0, 1.2, 2e-5, 0.0]))
     for _ in range(64):
         b = int(rng.integers(1, 16))
         tokens, context = rng.integers(1, 32, b), rng.integers(16, 2048, b)
@@ -157,6 +157,65 @@ def test_step_model_fit_ignores_steps_slowed_by_background_load():
     clean = [(t, c, m) for i, (t, c, m) in enumerate(steps) if i % 10]
     errors = [abs(model.predict(t, c) - m) / m for t, c, m in clean]
     assert np.median(errors) < 0.01
+
+
+SMOLLM2 = ModelShape.from_config({"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                                  "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152})
+
+
+def test_step_model_learns_what_each_extra_attention_call_costs():
+    # A grouped engine (TorchEngine) splits a step's attention into several calls; each costs host work that no
+    # roofline term sees. Fitted on steps of a grouped engine, the model recovers that cost per call and layer.
+    hw = HardwareSpec("cpu", {"bfloat16": 1e11}, 3e10)
+    truth = StepTimeModel(SMOLLM2, hw, coefficients=np.array([0.03, 0.0, 3.0, 0.0, 1e-3, 1.4e-4]),
+                          attention_layout="grouped")
+    rng = np.random.default_rng(3)
+    steps, calls = [], set()
+    for _ in range(200):
+        b = int(rng.integers(1, 17))
+        tokens, context = rng.integers(1, 18, b).astype(float), rng.integers(16, 1024, b).astype(float)
+        steps.append((tokens, context, truth.predict(tokens, context)))
+        calls.add(truth.extra_attention_calls(tokens, context))
+    assert len(calls) > 2  # the steps really are split into different numbers of calls
+    model = StepTimeModel(SMOLLM2, hw, attention_layout="grouped")
+    model.fit(steps)
+    assert model.coefficients[5] == pytest.approx(1.4e-4, rel=0.02)
+    # a packed engine (one call per layer) and a padded one never count extra calls
+    for layout in ("packed", "padded"):
+        other = StepTimeModel(SMOLLM2, hw, attention_layout=layout)
+        assert all(other.extra_attention_calls(t, c) == 0.0 for t, c, _ in steps)
+
+
+def test_step_coefficients_of_older_results_files_still_load():
+    # results written before the attention-calls feature hold 5 coefficients: that feature gets 0
+    old = StepTimeModel(SMOLLM2, HardwareSpec("cpu", {"bfloat16": 1e11}, 3e10),
+                        coefficients=[0.03, 0.0, 3.0, 0.0, 1e-3], attention_layout="grouped")
+    assert old.coefficients.tolist() == [0.03, 0.0, 3.0, 0.0, 1e-3, 0.0]
+    with pytest.raises(ValueError, match="coefficients need 6 values"):
+        StepTimeModel(SMOLLM2, HardwareSpec("cpu", {"bfloat16": 1e11}, 3e10), coefficients=[0.03, 1.0])
+
+
+def test_goodput_on_a_small_grouped_batch_prices_its_choice_at_the_engine_grouping():
+    # Batch 2-4 on the CPU: trees of different depths pad the attention calls they share or split into calls of
+    # their own (~4 ms of host work each). The choice, priced at the engine's grouping with the calls' cost, is never
+    # worse than the greedy per-request (packed) pricing's, and differs from it where padding or calls cost.
+    cpu = HardwareSpec("cpu", {"bfloat16": 1e11}, mem_bandwidth=3e10)
+    coefficients = np.array([0.03, 0.0, 3.0, 0.0, 1e-3, 1.4e-4])
+    grouped = StepTimeModel(SMOLLM2, cpu, coefficients=coefficients, attention_layout="grouped")
+    packed = StepTimeModel(SMOLLM2, cpu, coefficients=coefficients, attention_layout="packed")
+    rng = np.random.default_rng(0)
+    differed = 0
+    for _ in range(30):
+        batch = int(rng.integers(2, 5))
+        trees = [DraftTree.chain(np.arange(16), probs=rng.uniform(0.3, 0.95) ** np.arange(1, 17)) for _ in range(batch)]
+        context = rng.integers(200, 700, batch).astype(float)
+        _, chosen = BudgetController(BudgetPolicy.parse("goodput"), grouped).allocate(trees, context)
+        _, greedy = BudgetController(BudgetPolicy.parse("goodput"), packed).allocate(trees, context)
+        goodput = [d.predicted_tokens.sum() / grouped.predict(1.0 + d.nodes, context) for d in (chosen, greedy)]
+        assert goodput[0] >= goodput[1] * (1 - 1e-9)
+        assert chosen.predicted_step_s == pytest.approx(grouped.predict(1.0 + chosen.nodes, context), rel=1e-9)
+        differed += not np.array_equal(chosen.nodes, greedy.nodes)
+    assert differed > 0
 
 
 def test_free_budget_matches_the_ridge_formula():

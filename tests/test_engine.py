@@ -385,7 +385,7 @@ def test_grouped_attention_answers_each_request_as_if_verified_alone(engine):
     from trt_engines.attention_groups import plan_attention_groups
 
     rng = np.random.default_rng(11)
-    prompts = [_prompt(rng, n) for n in (40, 7, 90, 12)]
+    prompts = [_prompt(rng, n) for n in (200, 7, 150, 12)]
     trees = [DraftTree.from_arrays(tokens=rng.integers(0, VOCAB, 24), parents=[-1] + [int(rng.integers(-1, i)) for i in range(23)]),
              DraftTree.empty(), DraftTree.chain(rng.integers(0, VOCAB, 2).tolist()), DraftTree.empty()]
     rows = np.array([len(t) + 1 for t in trees])

@@ -48,6 +48,7 @@ from orchestrator.roofline import (
     ModelShape,
     StepTimeModel,
     hardware,
+    step_coefficients,
 )
 from tools.prompt_sets import PROMPT_SETS
 from tools.trajectories import Trajectory, load_trajectories, trajectory_path
@@ -192,7 +193,7 @@ def _start_up_model(deployment: Deployment, coefficients: Sequence[float] | None
     # alone can land on other coefficients that fit it equally well and extrapolate worse (batch 64, long contexts).
     model.anchor([(t, c, truth.predict(t, c)) for t, c in grid])
     if coefficients is not None:
-        model.coefficients = np.asarray(coefficients, dtype=np.float64)
+        model.coefficients = step_coefficients(coefficients)
     return model
 
 

@@ -13,8 +13,13 @@ contiguous groups minimising the summed cost
 
 (dynamic programming over cut points). `ROW_OFFSET` is the per-request work that does not grow with query rows (the
 K/V gather and the softmax pass over the keys), `CALL_COST` a call's fixed cost (launch, gather setup), both in units
-of one query row over one key. Measured on this project's 2-core CPU with SmolLM2's heads, bf16: a request's
-attention at 600 keys cost ~70 us for 1 query row and ~800 us for 61 rows, and a call ~15 us before any work.
+of one query row over one key (per layer). Measured on this project's 2-core CPUs with SmolLM2's heads, bf16: a
+request's attention at 600 keys cost ~70 us for 1 query row and ~800 us for 61 rows (~20 ns a unit), and every call
+~140 us of host work before any (the K/V gather, query reorder, two matmuls, softmax and scatter are a dozen PyTorch
+ops). `benchmarks/attention_calls.py` times verify steps of several batch, tree and context shapes under each
+candidate CALL_COST, interleaved (`benchmarks/results/attention_calls.md`): 8192 was fastest or within 4% of the
+fastest on every shape but plain batch 32 (10% behind 16384, which costs up to 11% elsewhere); the earlier 1024
+(~15 us, the kernel launch alone) split too eagerly and ran 8-22% behind the fastest on six of the eight shapes.
 
 Example: rows [61, 1, 1, 1] at 600 keys each -> groups [[0], [1, 2, 3]]: 1*600*65 + 3*600*5 + 2*CALL_COST, against
 4*600*65 + CALL_COST for one call.
@@ -26,7 +31,7 @@ import numpy as np
 from numba import njit
 
 ROW_OFFSET = 4.0
-CALL_COST = 1024.0
+CALL_COST = 8192.0
 MAX_GROUPS = 4
 
 
