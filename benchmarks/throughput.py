@@ -328,7 +328,8 @@ def summarize(result: dict, sets: list[str]) -> dict:
     summary["goodput_vs_best_fixed_min"] = min(vs_fixed) if vs_fixed else None
     summary["goodput_vs_none_min"] = min(vs_none) if vs_none else None
     summary["step_model_median_abs_err"] = result["step_model_median_abs_err"]
-    summary["identical_outputs_fraction"] = result["identity"]["identical_outputs_fraction"]
+    # None when the fp32 check was not run (--identity-prompts 0)
+    summary["identical_outputs_fraction"] = (result["identity"] or {}).get("identical_outputs_fraction")
     summary["bf16_divergences"] = len(result["bf16_divergences"])
     return summary
 
@@ -365,7 +366,7 @@ def write_markdown(path: Path, result: dict) -> None:
     lines += [
         "",
         f"Losslessness (fp32, {ident['prompts']} prompts x {ident['max_tokens']} tokens, every policy vs none): "
-        f"{ident['identical']}/{ident['compared']} identical.",
+        f"{ident['identical']}/{ident['compared']} identical." if ident else "Losslessness (fp32): not checked in this run.",
         divergence_summary(result["bf16_divergences"], result.get("batch_invariant", False),
                            result.get("cpu_kernels", False)),
         f"Step-time model: median relative error {result['step_model_median_abs_err']:.3f} over every step "

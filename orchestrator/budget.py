@@ -358,12 +358,14 @@ class BudgetController:
         # `gain` compares the result with plain decoding that drafts nothing, which steers the next steps' drafting.
         draft_s = self.draft_s_per_request * b
         expected = weights.sum() + np.concatenate([[0.0], np.cumsum(value)])
-        model_s = self._prefix_seconds(owner, rank_in_owner, context)
+        plain_calls = model.extra_attention_calls(ones, context)
+        model_s = self._prefix_seconds(owner, rank_in_owner, context, plain_calls)
         step_s = self._corrected(model_s)
         goodput = self._within_tpot(expected / (step_s + draft_s), expected, step_s, draft_s, tpot_s)
         k = int(np.argmax(goodput))  # first maximum: the fewest nodes that reach the best goodput
         keep = np.arange(k)  # positions in `order` of the chosen nodes
         best = goodput[k]
+        priced: dict[bytes, float] = {}  # grouped: model seconds by tokens per request (prefixes often agree on them)
         if model.attention_layout == "grouped" and b > 1 and k > 0:
             # The prefix curve prices each request's attention alone (packed). The engine pads every request of an
             # SDPA call to the call's deepest tree, so a few deep trees in a batch of shallow ones cost more than
@@ -374,15 +376,16 @@ class BudgetController:
             # shape, one call). Small batches too: every call beyond one per layer costs host work (the step-time
             # model's `attention_calls` feature; ~4 ms of a 75 ms step at batch 4 on the CPU), which the packed
             # pricing cannot see: at cap 4, goodput's uneven trees took 4 calls where `fixed:4`'s took one.
-            best = self._grouped_goodput(keep, owner, expected[k], context, draft_s, tpot_s, plain_s)
+            best = self._grouped_goodput(keep, owner, expected[k], context, draft_s, tpot_s, plain_s, priced)
             for cap in (1, 2, 4, 8):
                 within = np.flatnonzero(rank_in_owner < cap)
                 sub_expected = weights.sum() + np.concatenate([[0.0], np.cumsum(value[within])])
-                sub_s = self._corrected(self._prefix_seconds(owner[within], rank_in_owner[within], context))
+                sub_s = self._corrected(self._prefix_seconds(owner[within], rank_in_owner[within], context,
+                                                             plain_calls))
                 sub_goodput = self._within_tpot(sub_expected / (sub_s + draft_s), sub_expected, sub_s, draft_s, tpot_s)
                 for sub_k in {int(np.argmax(sub_goodput)), within.size} - {0}:
                     candidate = self._grouped_goodput(within[:sub_k], owner, sub_expected[sub_k], context, draft_s,
-                                                      tpot_s, plain_s)
+                                                      tpot_s, plain_s, priced)
                     if candidate > best:
                         best, keep = candidate, within[:sub_k]
                 if cap > rank_in_owner.max(initial=0):
@@ -393,13 +396,18 @@ class BudgetController:
         gain = float(best * step_s[0] / expected[0] - 1.0)
         nodes = np.bincount(owner[keep], minlength=b).astype(np.int32)
         expected_per_request = np.bincount(owner[keep], weights=probs[keep], minlength=b)
-        predicted_s = (float(model_s[keep.size]) if model.attention_layout != "grouped"
-                       else model.predict(ones + nodes, context))
+        if model.attention_layout != "grouped":
+            predicted_s = float(model_s[keep.size])
+        else:
+            tokens = ones + nodes
+            predicted_s = priced.get(tokens.tobytes())
+            predicted_s = model.predict(tokens, context) if predicted_s is None else predicted_s
         by_owner = np.argsort(owner[keep], kind="stable")
         chosen = np.split(index[keep][by_owner], np.cumsum(nodes)[:-1])  # per request: its chosen node indices
         return nodes, predicted_s, ones + expected_per_request, gain, chosen
 
-    def _prefix_seconds(self, owner: np.ndarray, rank_in_owner: np.ndarray, context: np.ndarray) -> np.ndarray:
+    def _prefix_seconds(self, owner: np.ndarray, rank_in_owner: np.ndarray, context: np.ndarray,
+                        plain_calls: float | None = None) -> np.ndarray:
         """Model seconds of the step after adding the first k candidates (k = 0..len(owner)), without re-running the
         model: linear and LM-head terms depend on the total token count only; attention changes one request at a
         time (its own rows and keys; `padded`: every request pays for the deepest tree over the longest context)."""
@@ -425,7 +433,7 @@ class BudgetController:
             model.lm_head_seconds(total),
             total,
             # priced as packed while choosing (see `allocate`): the plain step's calls, whatever is added
-            np.full(k_max + 1, model.extra_attention_calls(np.ones(b), context)),
+            np.full(k_max + 1, model.extra_attention_calls(np.ones(b), context) if plain_calls is None else plain_calls),
         ], axis=1)
         return features @ model.coefficients
 
@@ -441,10 +449,15 @@ class BudgetController:
             goodput[0] = max(goodput[0], expected[0] / (step_s[0] + draft_s))  # never refuse to decode at all
         return goodput
 
-    def _grouped_goodput(self, keep, owner, expected, context, draft_s, tpot_s, plain_s) -> float:
+    def _grouped_goodput(self, keep, owner, expected, context, draft_s, tpot_s, plain_s, priced: dict) -> float:
         """Goodput of sending the candidates at positions `keep`, priced at the engine's own attention grouping."""
         tokens = 1.0 + np.bincount(owner[keep], minlength=context.shape[0])
-        seconds = self._corrected(np.array([plain_s, self.step_model.predict(tokens, context)]))[1]
+        key = tokens.tobytes()
+        if key not in priced:
+            priced[key] = self.step_model.predict(tokens, context)
+        # `_corrected` of one speculating step
+        seconds = (self.plain_scale * plain_s + self.marginal_scale * (priced[key] - plain_s)
+                   + self.speculation_overhead * plain_s)
         if tpot_s is not None and np.isfinite(tpot_s).any() and seconds > np.nanmin(tpot_s):
             return -np.inf
         return expected / (seconds + draft_s)

@@ -36,7 +36,8 @@ def fit_step_model(
     samples = []
     for batch, context in itertools.product(batches, contexts):
         ids = [f"__profile-{batch}-{context}-{i}" for i in range(batch)]
-        if not engine.can_admit(context * batch, max(nodes) + 1):
+        # every request rounds up to whole KV blocks of its own (one sequence of batch x context tokens would not)
+        if batch * engine.blocks_needed(context + max(nodes) + 1) > engine.free_blocks():
             continue
         try:
             for rid in ids:

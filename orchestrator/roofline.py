@@ -159,35 +159,44 @@ class StepTimeModel:
         if self.coefficients is None:
             self.coefficients = np.array([self.hardware.overhead_s, 1.0, 1.0, 1.0, 0.0, 0.0])
         self.coefficients = step_coefficients(self.coefficients)
+        self._compute_rates()
         self._samples = deque(maxlen=self.window)
         self._anchors: list[tuple[np.ndarray, float]] = []  # the start-up calibration sweep (`fit`), kept for refits
         self._observed = 0
 
     # -- roofline terms (seconds), vectorised over the leading axis of their arguments ---------------------------
-    def _op(self, flops, bytes_):
-        return np.maximum(flops / self.hardware.flops(self.dtype), bytes_ / self.hardware.mem_bandwidth)
+    # The budget controller prices a dozen candidate steps per step, so each operator's max(FLOPs / peak,
+    # bytes / bandwidth) is kept as seconds per token and per byte-constant (`_rates`, from the table in the module
+    # docstring): pricing is then a few array ops.
+    def _compute_rates(self) -> None:
+        s, e = self.shape, DTYPE_BYTES[self.dtype]
+        peak, bw = self.hardware.flops(self.dtype), self.hardware.mem_bandwidth
+        h, f, v = s.hidden, s.intermediate / s.tp, s.vocab / s.tp
+        hq, hkv = s.n_heads * s.head_dim / s.tp, s.n_kv_heads * s.head_dim / s.tp
+        # per linear operator: (FLOPs per token, weight bytes, activation bytes per token)
+        ops = [(2 * h * (hq + 2 * hkv), e * h * (hq + 2 * hkv), e * (h + hq + 2 * hkv)),  # QKV projection
+               (2 * hq * h, e * hq * h, e * (hq + h)),  # O projection
+               (6 * h * f, e * 3 * h * f, e * (2 * h + 3 * f))]  # MLP
+        self._linear_rates = [(flops / peak, weights / bw, per_token / bw) for flops, weights, per_token in ops]
+        self._allreduce_s_per_token = (2 * (2 * (s.tp - 1) / s.tp) * h * e / self.hardware.interconnect_bandwidth
+                                       if s.tp > 1 and self.hardware.interconnect_bandwidth > 0 else 0.0)
+        self._lm_head_rates = (2 * h * v / peak, e * v * h / bw, e * (h + v) / bw)
+        # attention, per layer: FLOPs 4 t (c + t) hq; bytes e (2 (c + t) hkv + 2 t hq)
+        self._attention_rates = (4 * hq / peak, e * 2 * hkv / bw, e * 2 * hq / bw)
 
     def linear_seconds(self, total_tokens) -> np.ndarray:
-        s, e = self.shape, DTYPE_BYTES[self.dtype]
         T = np.asarray(total_tokens, dtype=np.float64)
-        h, f = s.hidden, s.intermediate / s.tp
-        hq, hkv = s.n_heads * s.head_dim / s.tp, s.n_kv_heads * s.head_dim / s.tp
-        qkv = self._op(2 * T * h * (hq + 2 * hkv), e * (h * (hq + 2 * hkv) + T * (h + hq + 2 * hkv)))
-        out = self._op(2 * T * hq * h, e * (hq * h + T * (hq + h)))
-        mlp = self._op(6 * T * h * f, e * (3 * h * f + T * (2 * h + 3 * f)))
-        per_layer = qkv + out + mlp
-        if s.tp > 1 and self.hardware.interconnect_bandwidth > 0:  # two ring all-reduces of T x h per layer
-            per_layer = per_layer + 2 * (2 * (s.tp - 1) / s.tp) * T * h * e / self.hardware.interconnect_bandwidth
-        return s.n_layers * per_layer
+        per_layer = sum(np.maximum(flops * T, weights + per_token * T)
+                        for flops, weights, per_token in self._linear_rates)
+        return self.shape.n_layers * (per_layer + self._allreduce_s_per_token * T)  # two all-reduces of T x h (TP)
 
     def attention_seconds(self, tokens, context) -> np.ndarray:
         """Per request (elementwise over `tokens`, `context`), all layers."""
-        s, e = self.shape, DTYPE_BYTES[self.dtype]
         t = np.asarray(tokens, dtype=np.float64)
-        c = np.asarray(context, dtype=np.float64)
-        hq, hkv = s.n_heads * s.head_dim / s.tp, s.n_kv_heads * s.head_dim / s.tp
-        per_layer = self._op(4 * t * (c + t) * hq, e * (2 * (c + t) * hkv + 2 * t * hq))
-        return np.where(t > 0, s.n_layers * per_layer, 0.0)
+        keys = t + np.asarray(context, dtype=np.float64)
+        flops, per_key, per_row = self._attention_rates
+        per_layer = np.maximum(flops * t * keys, per_key * keys + per_row * t)
+        return np.where(t > 0, self.shape.n_layers * per_layer, 0.0)
 
     def batch_attention_seconds(self, tokens, context) -> float:
         """All requests of one step, in this engine's attention layout."""
@@ -216,10 +225,9 @@ class StepTimeModel:
         return float(sizes @ self.attention_seconds(rows, keys - rows)), float(self.shape.n_layers * (len(groups) - 1))
 
     def lm_head_seconds(self, total_tokens) -> np.ndarray:
-        s, e = self.shape, DTYPE_BYTES[self.dtype]
         T = np.asarray(total_tokens, dtype=np.float64)
-        v = s.vocab / s.tp
-        return self._op(2 * T * s.hidden * v, e * (v * s.hidden + T * (s.hidden + v)))
+        flops, weights, per_token = self._lm_head_rates
+        return np.maximum(flops * T, weights + per_token * T)
 
     def features(self, tokens, context) -> np.ndarray:
         tokens = np.asarray(tokens, dtype=np.float64)
