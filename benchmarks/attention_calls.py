@@ -1,7 +1,7 @@
 """How eagerly `TorchEngine` should split a step's attention into SDPA calls: verify-step time under each
 candidate `CALL_COST` of `trt_engines.attention_groups` (the planner's price of one more call).
 
-    python -m benchmarks.attention_calls [--repeats 7]
+    python -m benchmarks.attention_calls [--repeats 15]
 
 Shapes: plain steps at batch 16 and 32 over spread contexts; batch 4 with mixed and with equal trees; batch 8 with
 one deep tree among plain or 1-node requests; batch 16 with random trees of 0-8 nodes; batch 2 with one deep tree.
@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -43,10 +45,10 @@ def shapes(rng: np.random.Generator) -> dict[str, tuple[list[int], list[int]]]:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=7)
-    args = parser.parse_args()
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args(argv)
     engine = TorchEngine("default")
     rng = np.random.default_rng(1)
     default = attention_groups.CALL_COST
@@ -79,7 +81,8 @@ def main() -> None:
             print(name, "  ".join(f"{_label(c)}: {calls[c]} calls {medians[c]:.1f} ms" for c in CANDIDATES), flush=True)
     finally:
         attention_groups.CALL_COST = default
-    result = {"command": "python -m benchmarks.attention_calls", "machine": cpu_description(),
+    command = shlex.join(["python", "-m", "benchmarks.attention_calls", *(argv if argv is not None else sys.argv[1:])])
+    result = {"command": command, "machine": cpu_description(),
               "repeats": args.repeats, "default_call_cost": default, "rows": rows}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "attention_calls.json").write_text(json.dumps(result, indent=1) + "\n")
