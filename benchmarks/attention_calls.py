@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 import trt_engines.attention_groups as attention_groups
-from benchmarks.verify_cost import _tree
+from benchmarks.verify_cost import random_tree
 from trt_engines.base import VerifyItem
 from trt_engines.cpu_kernels import cpu_description
 from trt_engines.torch_engine import TorchEngine
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
                 engine.release(rid)
             for i, c in enumerate(context):
                 engine.add_synthetic_request(f"r{i}", int(c))
-            items = [VerifyItem(f"r{i}", _tree(int(n), rng)) for i, n in enumerate(nodes)]
+            items = [VerifyItem(f"r{i}", random_tree(int(n), rng)) for i, n in enumerate(nodes)]
             rows_per_request = np.asarray(nodes) + 1
             keys = np.asarray(context) + rows_per_request
             times: dict[float, list[float]] = {c: [] for c in CANDIDATES}

@@ -36,7 +36,7 @@ MAX_TOKENS_PER_STEP = 1100  # skip batch x (nodes + 1) beyond this: > ~5 s per c
 RESULTS = Path(__file__).parent / "results"
 
 
-def _tree(n: int, rng: np.random.Generator) -> DraftTree:
+def random_tree(n: int, rng: np.random.Generator) -> DraftTree:
     if n == 0:
         return DraftTree.empty()
     parents = [-1] + [int(rng.integers(max(-1, i - 3), i)) for i in range(1, n)]  # bushy, a few levels deep
@@ -78,7 +78,7 @@ def grid(engine: TorchEngine, *, budget_s: float, contexts, batches, nodes) -> t
             for i in range(b):
                 engine.add_synthetic_request(f"b{i}", c)
             active = (b, c)
-        items = [VerifyItem(f"b{i}", _tree(n, rng)) for i in range(b)]
+        items = [VerifyItem(f"b{i}", random_tree(n, rng)) for i in range(b)]
         total, forward = _time_step(engine, items)
         rows.append({"batch": b, "nodes": n, "ctx": c, "step_ms": total, "forward_ms": forward})
         print(f"b{b:<3} n{n:<3} ctx{c:<5} {total:9.1f} ms", flush=True)
@@ -97,7 +97,7 @@ def paired_steps(engine: TorchEngine, *, ctx: int, nodes: tuple[int, ...], round
     for rid in list(engine.requests):
         engine.release(rid)
     engine.add_synthetic_request("paired", ctx)
-    items = {n: [VerifyItem("paired", _tree(n, rng))] for n in nodes}
+    items = {n: [VerifyItem("paired", random_tree(n, rng))] for n in nodes}
     for n in nodes:
         engine.verify(items[n])  # warm-up
     times: dict[int, list[float]] = {n: [] for n in nodes}

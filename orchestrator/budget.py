@@ -325,7 +325,11 @@ class BudgetController:
         b = context.shape[0]
         grouped = self.step_model.attention_layout == "grouped"
         # the prefix curve's plain step: priced packed, which only a grouped layout prices differently from `predict`
-        model_s = float(self._prefix_seconds(np.zeros(0, np.int64), np.zeros(0), context)[0]) if grouped else base_s
+        if grouped:
+            plain_calls = self.step_model.extra_attention_calls(np.ones(b), context)
+            model_s = float(self._prefix_seconds(np.zeros(0, np.int64), np.zeros(0), context, plain_calls)[0])
+        else:
+            model_s = base_s
         step_s = self.plain_scale * model_s
         draft_s = self.draft_s_per_request * b
         gain = step_s / (step_s + draft_s) - 1.0 if step_s + draft_s > 0 else 0.0
@@ -398,16 +402,15 @@ class BudgetController:
         expected_per_request = np.bincount(owner[keep], weights=probs[keep], minlength=b)
         if model.attention_layout != "grouped":
             predicted_s = float(model_s[keep.size])
-        else:
-            tokens = ones + nodes
-            predicted_s = priced.get(tokens.tobytes())
-            predicted_s = model.predict(tokens, context) if predicted_s is None else predicted_s
+        else:  # the grouped comparisons may have priced it already
+            key = (ones + nodes).tobytes()
+            predicted_s = priced[key] if key in priced else model.predict(ones + nodes, context)
         by_owner = np.argsort(owner[keep], kind="stable")
         chosen = np.split(index[keep][by_owner], np.cumsum(nodes)[:-1])  # per request: its chosen node indices
         return nodes, predicted_s, ones + expected_per_request, gain, chosen
 
     def _prefix_seconds(self, owner: np.ndarray, rank_in_owner: np.ndarray, context: np.ndarray,
-                        plain_calls: float | None = None) -> np.ndarray:
+                        plain_calls: float) -> np.ndarray:
         """Model seconds of the step after adding the first k candidates (k = 0..len(owner)), without re-running the
         model: linear and LM-head terms depend on the total token count only; attention changes one request at a
         time (its own rows and keys; `padded`: every request pays for the deepest tree over the longest context)."""
@@ -433,14 +436,21 @@ class BudgetController:
             model.lm_head_seconds(total),
             total,
             # priced as packed while choosing (see `allocate`): the plain step's calls, whatever is added
-            np.full(k_max + 1, model.extra_attention_calls(np.ones(b), context) if plain_calls is None else plain_calls),
+            np.full(k_max + 1, plain_calls),
         ], axis=1)
         return features @ model.coefficients
 
     def _corrected(self, model_s: np.ndarray) -> np.ndarray:
-        """What the speculated tokens cost on top of a plain step, corrected by what such steps measured."""
-        return (self.plain_scale * model_s[0] + self.marginal_scale * (model_s - model_s[0])
-                + np.where(np.arange(model_s.shape[0]) > 0, self.speculation_overhead * model_s[0], 0.0))
+        """The prefix curve's step times (`model_s[0]`: no nodes), corrected by what such steps measured."""
+        corrected = self._speculating_seconds(model_s, model_s[0])
+        corrected[0] = self.plain_scale * model_s[0]
+        return corrected
+
+    def _speculating_seconds(self, model_s, plain_s: float):
+        """What the speculated tokens of a step (`model_s` model seconds; `plain_s` with no nodes) cost on top of the
+        plain step, corrected by what speculating steps measured."""
+        return (self.plain_scale * plain_s + self.marginal_scale * (model_s - plain_s)
+                + self.speculation_overhead * plain_s)
 
     @staticmethod
     def _within_tpot(goodput, expected, step_s, draft_s, tpot_s):
@@ -455,9 +465,7 @@ class BudgetController:
         key = tokens.tobytes()
         if key not in priced:
             priced[key] = self.step_model.predict(tokens, context)
-        # `_corrected` of one speculating step
-        seconds = (self.plain_scale * plain_s + self.marginal_scale * (priced[key] - plain_s)
-                   + self.speculation_overhead * plain_s)
+        seconds = self._speculating_seconds(priced[key], plain_s)
         if tpot_s is not None and np.isfinite(tpot_s).any() and seconds > np.nanmin(tpot_s):
             return -np.inf
         return expected / (seconds + draft_s)

@@ -16,6 +16,8 @@ LLAMA_8B = ModelShape.from_config({
     "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
     "num_key_value_heads": 8, "vocab_size": 128256,
 })
+SMOLLM2 = ModelShape.from_config({"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                                  "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152})
 
 
 def chain_trees(batch: int, p: float, depth: int = 32) -> list[DraftTree]:
@@ -126,8 +128,7 @@ def test_prune_keeps_the_most_probable_nodes_and_a_valid_tree():
 
 
 def test_step_model_refit_recovers_a_linear_cost():
-    shape = ModelShape.from_config({"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
-                                    "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152})
+    shape = SMOLLM2
     model = StepTimeModel(shape, HardwareSpec("cpu", {"bfloat16": 3e11}, 3e10))
     rng = np.random.default_rng(1)
     truth = model.__class__(shape, model.hardware, coefficients=np.array([4e-3, 1.5, 3.0, 1.2, 2e-5, 0.0]))
@@ -142,8 +143,7 @@ def test_step_model_refit_recovers_a_linear_cost():
 def test_step_model_fit_ignores_steps_slowed_by_background_load():
     # On a shared machine a burst of background load doubles a few steps; the typical step must stay predicted
     # right (a least-squares fit would move every prediction toward the slowed ones).
-    shape = ModelShape.from_config({"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
-                                    "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152})
+    shape = SMOLLM2
     hw = HardwareSpec("cpu", {"bfloat16": 1e11}, 3e10)
     truth = StepTimeModel(shape, hw, coefficients=np.array([0.03, 0.0, 3.0, 0.0, 1e-3]))
     rng = np.random.default_rng(7)
@@ -157,10 +157,6 @@ def test_step_model_fit_ignores_steps_slowed_by_background_load():
     clean = [(t, c, m) for i, (t, c, m) in enumerate(steps) if i % 10]
     errors = [abs(model.predict(t, c) - m) / m for t, c, m in clean]
     assert np.median(errors) < 0.01
-
-
-SMOLLM2 = ModelShape.from_config({"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
-                                  "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152})
 
 
 def test_step_model_learns_what_each_extra_attention_call_costs():
@@ -193,29 +189,6 @@ def test_step_coefficients_of_older_results_files_still_load():
     assert old.coefficients.tolist() == [0.03, 0.0, 3.0, 0.0, 1e-3, 0.0]
     with pytest.raises(ValueError, match="coefficients need 6 values"):
         StepTimeModel(SMOLLM2, HardwareSpec("cpu", {"bfloat16": 1e11}, 3e10), coefficients=[0.03, 1.0])
-
-
-def test_goodput_on_a_small_grouped_batch_prices_its_choice_at_the_engine_grouping():
-    # Batch 2-4 on the CPU: trees of different depths pad the attention calls they share or split into calls of
-    # their own (~4 ms of host work each). The choice, priced at the engine's grouping with the calls' cost, is never
-    # worse than the greedy per-request (packed) pricing's, and differs from it where padding or calls cost.
-    cpu = HardwareSpec("cpu", {"bfloat16": 1e11}, mem_bandwidth=3e10)
-    coefficients = np.array([0.03, 0.0, 3.0, 0.0, 1e-3, 1.4e-4])
-    grouped = StepTimeModel(SMOLLM2, cpu, coefficients=coefficients, attention_layout="grouped")
-    packed = StepTimeModel(SMOLLM2, cpu, coefficients=coefficients, attention_layout="packed")
-    rng = np.random.default_rng(0)
-    differed = 0
-    for _ in range(30):
-        batch = int(rng.integers(2, 5))
-        trees = [DraftTree.chain(np.arange(16), probs=rng.uniform(0.3, 0.95) ** np.arange(1, 17)) for _ in range(batch)]
-        context = rng.integers(200, 700, batch).astype(float)
-        _, chosen = BudgetController(BudgetPolicy.parse("goodput"), grouped).allocate(trees, context)
-        _, greedy = BudgetController(BudgetPolicy.parse("goodput"), packed).allocate(trees, context)
-        goodput = [d.predicted_tokens.sum() / grouped.predict(1.0 + d.nodes, context) for d in (chosen, greedy)]
-        assert goodput[0] >= goodput[1] * (1 - 1e-9)
-        assert chosen.predicted_step_s == pytest.approx(grouped.predict(1.0 + chosen.nodes, context), rel=1e-9)
-        differed += not np.array_equal(chosen.nodes, greedy.nodes)
-    assert differed > 0
 
 
 def test_free_budget_matches_the_ridge_formula():
@@ -488,23 +461,30 @@ def test_goodput_predicts_the_step_it_chooses(layout):
         assert decision.predicted_step_s == pytest.approx(model.predict(1.0 + decision.nodes, context), rel=1e-9)
 
 
-def test_on_a_grouped_engine_goodput_weighs_the_padding_its_choice_costs():
-    # Where attention dominates (the CPU at long contexts), a few deep trees among shallow ones pad the SDPA calls
-    # they share. Priced at the engine's grouping, the choice is never worse than the greedy per-request pricing's.
-    cpu = HardwareSpec("cpu", {"bfloat16": 3e11}, mem_bandwidth=2e10)  # attention is compute-bound: rows cost
-    coefficients = np.array([0.002, 0.2, 20.0, 0.2, 0.0])
-    grouped = StepTimeModel(LLAMA_8B, cpu, coefficients=coefficients, attention_layout="grouped")
-    packed = StepTimeModel(LLAMA_8B, cpu, coefficients=coefficients, attention_layout="packed")
+@pytest.mark.parametrize("shape, coefficients, batches, contexts", [
+    # Llama-8B at long contexts, attention compute-bound (rows cost): batches above MAX_GROUPS share padded calls
+    (LLAMA_8B, [0.002, 0.2, 20.0, 0.2, 0.0, 0.0], (5, 13), (1024, 8192)),
+    # SmolLM2 on the CPU at batch 2-4: extra calls cost host work (~4 ms each), deeper trees pad the call they share
+    (SMOLLM2, [0.03, 0.0, 3.0, 0.0, 1e-3, 1.4e-4], (2, 5), (200, 700)),
+])
+def test_on_a_grouped_engine_goodput_weighs_the_padding_and_calls_its_choice_costs(shape, coefficients, batches,
+                                                                                    contexts):
+    # A few deep trees among shallow ones pad the SDPA calls they share or split into calls of their own. Priced at
+    # the engine's grouping, the choice is never worse than the greedy per-request (packed) pricing's, and differs.
+    cpu = HardwareSpec("cpu", {"bfloat16": 3e11}, mem_bandwidth=2e10)
+    grouped = StepTimeModel(shape, cpu, coefficients=np.array(coefficients), attention_layout="grouped")
+    packed = StepTimeModel(shape, cpu, coefficients=np.array(coefficients), attention_layout="packed")
     rng = np.random.default_rng(0)
     differed = 0
     for _ in range(20):
-        batch = int(rng.integers(5, 13))
+        batch = int(rng.integers(*batches))
         trees = [DraftTree.chain(np.arange(24), probs=rng.uniform(0.5, 0.97) ** np.arange(1, 25)) for _ in range(batch)]
-        context = rng.integers(1024, 8192, batch).astype(float)
+        context = rng.integers(*contexts, batch).astype(float)
         _, chosen = BudgetController(BudgetPolicy.parse("goodput"), grouped).allocate(trees, context)
         _, greedy = BudgetController(BudgetPolicy.parse("goodput"), packed).allocate(trees, context)
         goodput = [d.predicted_tokens.sum() / grouped.predict(1.0 + d.nodes, context) for d in (chosen, greedy)]
         assert goodput[0] >= goodput[1] * (1 - 1e-9)
+        assert chosen.predicted_step_s == pytest.approx(grouped.predict(1.0 + chosen.nodes, context), rel=1e-9)
         differed += not np.array_equal(chosen.nodes, greedy.nodes)
     assert differed > 0
 

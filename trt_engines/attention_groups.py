@@ -16,8 +16,9 @@ K/V gather and the softmax pass over the keys), `CALL_COST` a call's fixed cost 
 of one query row over one key (per layer). Measured on this project's 2-core CPUs with SmolLM2's heads, bf16: a
 request's attention at 600 keys cost ~70 us for 1 query row and ~800 us for 61 rows (~20 ns a unit), and every call
 ~140 us of host work before any (the K/V gather, query reorder, two matmuls, softmax and scatter are a dozen PyTorch
-ops). `benchmarks/attention_calls.py` times verify steps of several batch, tree and context shapes under each
-candidate CALL_COST, interleaved (`benchmarks/results/attention_calls.md`): 8192 was fastest or within 4% of the
+ops; timed once by forcing batches of one shape into 1, 2 and 4 calls, not kept in a results file).
+`benchmarks/attention_calls.py` times verify steps of several batch, tree and context shapes under each candidate
+CALL_COST, interleaved (`benchmarks/results/attention_calls.md`): 8192 was fastest or within 4% of the
 fastest on every shape but plain batch 32 (10% behind 16384, which costs up to 11% elsewhere); the earlier 1024
 (~15 us, the kernel launch alone) split too eagerly and ran 8-22% behind the fastest on six of the eight shapes.
 
