@@ -80,6 +80,9 @@ class _PolicyRun:
         self.finished: dict[str, float] = {}
         self.outputs: dict[str, list[int]] = {}
         self.steps: dict[str, int] = {}
+        self.generated = 0
+        self.to_generate = sum(lengths) if lengths is not None else max_tokens * len(prompts)  # at most, with EOS
+        self.shared_steps = self.own_steps = 0  # steps taken while every other policy was busy too / all its steps
         tag = policy.replace(":", "")
         # `lengths`: exactly that many tokens per request, EOS ignored (the same work for every policy)
         requests = [GenerationRequest(prompt_ids=tuple(int(t) for t in p), max_tokens=max_tokens) if lengths is None
@@ -90,13 +93,21 @@ class _PolicyRun:
     def clock(self) -> float:
         return self.elapsed + (time.perf_counter() - self.step_started if self.step_started is not None else 0.0)
 
+    @property
+    def progress(self) -> float:
+        """Share of its work done: tokens generated / tokens it will generate."""
+        return self.generated / max(self.to_generate, 1)
+
     def collect(self, out) -> None:
         self.outputs.setdefault(out.request_id, []).extend(out.token_ids)
+        self.generated += len(out.token_ids)
         if out.finished:
             self.finished[out.request_id] = self.clock()
             self.steps[out.request_id] = out.stats.steps
 
-    def step(self) -> None:
+    def step(self, *, shared: bool) -> None:
+        self.own_steps += 1
+        self.shared_steps += shared
         self.step_started = time.perf_counter()
         self.orchestrator.step()
         self.elapsed += time.perf_counter() - self.step_started
@@ -105,12 +116,18 @@ class _PolicyRun:
 
 def serve_side_by_side(engine, drafter, step_model, policies: list[str], prompts: list[np.ndarray], *, cap: int,
                        max_tokens: int, lengths: list[int] | None = None) -> dict[str, dict]:
-    """Serve every prompt (all arriving at t=0, at most `cap` running) with every policy at once: one step of each
-    policy's orchestrator in turn, each timed on its own clock (the sum of its own steps' wall time).
+    """Serve every prompt (all arriving at t=0, at most `cap` running) with every policy at once, interleaved step by
+    step: the next step is always the one of the policy furthest behind in its own work (tokens generated / tokens
+    to generate), each policy timed on its own clock (the sum of its own steps' wall time).
 
     Interleaving at step granularity (tens of ms) makes a burst of background load on this shared machine hit every
     policy alike; whole runs one after the other differed by up to 20% on noise alone (a policy that sends zero
-    nodes measured 0.82x `none`). Engine and step-time model are shared; request ids are per policy. Each policy
+    nodes measured 0.82x `none`). Balancing progress rather than taking turns keeps that true to the end: in turns,
+    the faster policies finished first and `none` ran the second half of a cap-1 group alone, where a burst slowed
+    it alone (HumanEval cap 1: `none` 23% slower than the run before while the others moved by 4% or less). Balanced,
+    every policy's steps during a burst cover the same share of its work, so all finish together
+    (`shared_steps_fraction`: the share of a policy's steps taken while every other policy was still busy).
+    Engine and step-time model are shared; request ids are per policy. Each policy
     drafts with its own `drafter.fresh()`: an output history shared between policies would let one draft a prompt
     from another's output for the same prompt.
     `lengths` (per prompt) fixes every request's output length, EOS ignored; otherwise up to `max_tokens` or EOS.
@@ -122,8 +139,7 @@ def serve_side_by_side(engine, drafter, step_model, policies: list[str], prompts
         busy = [r for r in runs.values() if not r.orchestrator.idle]
         if not busy:
             break
-        for run in busy:
-            run.step()
+        min(busy, key=lambda r: r.progress).step(shared=len(busy) == len(runs))  # ties: the first in `policies`
     return {p: _summarize_run(r) for p, r in runs.items()}
 
 
@@ -160,6 +176,7 @@ def _summarize_run(run: _PolicyRun) -> dict:
         "time_split_s": {"verify": verify_s, "prefill": prefill_s, "draft": draft_s, "budget": budget_s,
                          "other": wall - verify_s - prefill_s - draft_s - budget_s},
         "steps": len(records),
+        "shared_steps_fraction": run.shared_steps / max(run.own_steps, 1),
         "step_rel_errors": step_errors,
         "step_model_median_abs_err": float(np.median(step_errors)) if step_errors else None,
         "prefills": prefills,
@@ -251,6 +268,7 @@ def run(sets: list[str], caps: list[int], policies: list[str], *, prompts_per_ca
             "cpu_kernels": engine.cpu_kernels,  # numba kernels (`trt_engines.cpu_kernels`) rather than PyTorch's
             "output_lengths": "reference",  # each request: its recorded trajectory's length, EOS ignored
             "prompt_sample": "spread",  # a row's prompts: `tools.trajectories.spread` over the eval set
+            "interleave": "progress",  # `serve_side_by_side`: the policy furthest behind steps next (was: in turns)
             "step_model_median_abs_err": float(np.median(all_errors)) if all_errors else None,
             "identity": identity, "rounds": rounds, "group_fits": group_fits,
             "hardware": dataclasses.asdict(step_model.hardware),
@@ -334,6 +352,10 @@ def summarize(result: dict, sets: list[str]) -> dict:
     return summary
 
 
+def _min_shared(rows: list[dict]) -> float:
+    return min((r["shared_steps_fraction"] for r in rows if "shared_steps_fraction" in r), default=float("nan"))
+
+
 def write_markdown(path: Path, result: dict) -> None:
     rows = result["rows"]
     lines = [
@@ -350,8 +372,13 @@ def write_markdown(path: Path, result: dict) -> None:
         + "all requests arrive at t=0; at most `cap` run at once. "
         + ("A row's prompts are spread evenly over the set's eval prompts (for MT-Bench: every category)."
            if result.get("prompt_sample") == "spread" else "A row's prompts are the set's first eval prompts."),
-        "All policies of a (set, cap) run side by side: one step of each policy in turn, each timed on its own clock "
-        "(the sum of its own steps' wall time), so background load on this shared machine hits them alike."
+        ("All policies of a (set, cap) run side by side, interleaved step by step: the policy furthest behind in its "
+         "own work (share of its tokens generated) steps next, so all finish together; each is timed on its own clock "
+         "(the sum of its own steps' wall time), so background load on this shared machine hits them alike "
+         f"(every row took at least {_min_shared(rows):.0%} of its steps while all the others were still running)."
+         if result.get("interleave") == "progress" else
+         "All policies of a (set, cap) run side by side: one step of each policy in turn, each timed on its own clock "
+         "(the sum of its own steps' wall time), so background load on this shared machine hits them alike.")
         + (f" Each row is the fastest of {result['rounds']} such rounds (all rounds in the JSON)." if result["rounds"] > 1
            else ""),
         "",
@@ -405,6 +432,9 @@ def replace_groups(name: str, new: dict, *, command: str, note: str | None) -> d
     if old.get("prompt_sample", "first") != new.get("prompt_sample", "first"):
         raise SystemExit(f"--replace-groups: {path.name} took its prompts another way ({old.get('prompt_sample', 'first')}"
                          f" n of each set); rerun the whole benchmark")
+    if old.get("interleave", "turns") != new.get("interleave", "turns"):
+        raise SystemExit(f"--replace-groups: {path.name} interleaved its policies another way "
+                         f"({old.get('interleave', 'turns')}); rerun the whole benchmark")
     def shape(result: dict, g: tuple) -> list:
         return sorted((r["policy"], r["prompts"]) for r in result["rows"] if (r["set"], r["cap"]) == g)
 

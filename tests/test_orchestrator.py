@@ -125,6 +125,24 @@ def test_an_offline_batch_drains_losslessly(engine, datastore, prompt_ids, refer
     assert sum(r["stats"].accepted for r in results.values()) > 0
 
 
+def test_the_throughput_benchmark_keeps_its_policies_side_by_side_to_the_end(engine, datastore, prompt_ids,
+                                                                              reference):
+    # `benchmarks/throughput.py` steps whichever policy is furthest behind in its own work, so a policy that needs
+    # far fewer steps still finishes with the others and none runs long alone (in turns, `none` here would take
+    # the last third or more of its steps by itself, where a burst of background load would slow it alone).
+    from benchmarks.throughput import serve_side_by_side
+
+    model = StepTimeModel(ModelShape.from_config(default_model_dir()), CPU, dtype="float32")
+    picked = [3, 4]  # the two prompts the datastore drafts well: fixed:4 needs about half of none's steps
+    results = serve_side_by_side(engine, Drafter(DrafterConfig(), datastores=[datastore]), model,
+                                 ["none", "fixed:4"], [np.asarray(prompt_ids[i]) for i in picked], cap=1,
+                                 max_tokens=24, lengths=[24, 24])
+    assert results["none"]["outputs"] == results["fixed:4"]["outputs"] == [reference[i] for i in picked]
+    assert results["fixed:4"]["steps"] < 0.67 * results["none"]["steps"]
+    # Either ran alone at most for the share of its work that the other's last step covered (5 of 48 tokens here)
+    assert results["none"]["shared_steps_fraction"] >= 0.9
+    assert results["fixed:4"]["shared_steps_fraction"] >= 0.9
+
 def test_stop_token_stop_string_and_max_tokens(engine, datastore, tokenizer, prompt_ids, reference):
     orchestrator = make_orchestrator(engine, datastore, "goodput", tokenizer=tokenizer)
     ref = reference[0]

@@ -70,6 +70,9 @@ def test_replacing_a_group_the_file_never_measured_is_refused_and_changes_nothin
     with pytest.raises(SystemExit, match="took its prompts another way"):  # the file's rows served the first n
         throughput.replace_groups("throughput", {**new, "rows": [_row("a", 1, "none", 9.0)],
                                                  "prompt_sample": "spread"}, command="c", note=None)
+    with pytest.raises(SystemExit, match="interleaved its policies another way"):  # the file's rows took turns
+        throughput.replace_groups("throughput", {**new, "rows": [_row("a", 1, "none", 9.0)],
+                                                 "interleave": "progress"}, command="c", note=None)
     assert (tmp_path / "throughput.json").read_text() == before
 
 
