@@ -4,6 +4,7 @@ invariance by construction (property tests), and bad input. The engine-level tes
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 import pytest
 import torch
@@ -54,6 +55,24 @@ def test_linear_rows_do_not_depend_on_the_batch(rows, position, seed):
     # compared before the final rounding to bf16, which would hide most last-bit differences
     assert torch.equal(linear(batch, fp32_out=True)[at], linear(row, fp32_out=True)[0])
     assert torch.equal(linear(batch)[at], alone[0])
+
+
+def test_linear_does_not_depend_on_the_thread_count():
+    # The weight tiles are split into runs per thread (`_TASKS_PER_THREAD`), and each run prefetches the tile after
+    # its own: how many threads share the work changes neither the split of any dot product nor a bit of the output.
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("needs a CPU with two cores")
+    rng = np.random.default_rng(7)
+    linear, x = Bf16Linear(_bf16(rng, 964, 576)), _bf16(rng, 9, 576)
+    threads = numba.get_num_threads()
+    outputs = []
+    try:
+        for n in (1, 2):
+            numba.set_num_threads(n)
+            outputs.append(linear(x, fp32_out=True))
+    finally:
+        numba.set_num_threads(threads)
+    assert all(torch.equal(outputs[0], o) for o in outputs[1:])
 
 
 def _tree_mask(parents: list[int]) -> np.ndarray:
