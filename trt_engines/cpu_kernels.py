@@ -101,6 +101,24 @@ def _store_overload(out, i, j, values, index):
     return store_fp32
 
 
+@njit(inline="always")
+def _dot_2x4(xa, xb, w0, w1, w2, w3, n):
+    """The eight dot products of two vectors with four others over their first n elements, in one loop (vectorised
+    along it): the one loop body both kernels compute every product with, whatever else is computed beside it."""
+    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
+    for k in range(n):
+        u, v = xa[k], xb[k]
+        a0 += u * w0[k]
+        a1 += u * w1[k]
+        a2 += u * w2[k]
+        a3 += u * w3[k]
+        b0 += v * w0[k]
+        b1 += v * w1[k]
+        b2 += v * w2[k]
+        b3 += v * w3[k]
+    return a0, a1, a2, a3, b0, b1, b2, b3
+
+
 @intrinsic
 def _prefetch(typingctx, array, row, col):
     """Ask the CPU to start loading array[row, col]'s cache line (LLVM's prefetch: read, keep in every cache level);
@@ -125,15 +143,15 @@ def _prefetch(typingctx, array, row, col):
 def _linear_kernel(x: np.ndarray, w: np.ndarray, bias: np.ndarray, out: np.ndarray, tasks: int) -> None:
     """out = x w^T + bias, accumulated in fp32: x [M, K], w [N, K] (N a multiple of WEIGHT_ROWS) bf16 bits, bias [N]
     fp32, out [M, N] bf16 bits (or fp32); `tasks` runs of consecutive weight tiles share the threads, each allocating
-    its scratch once. Every output comes out of the same loop body (two input rows x four weight
-    rows, eight independent dot products) whatever M is (an odd last row is paired with itself): that is what makes
-    rows batch-invariant.
+    its scratch once. Every output comes out of the same loop body (`_dot_2x4`: two input rows x four weight rows)
+    whatever M is (an odd last row is paired with itself): that is what makes rows batch-invariant.
 
     A verify step's few rows make each weight tile's compute short, and waiting for the next tile from memory cost
     about as much as the arithmetic: so each pass over the rows prefetches its share of the next tile's cache lines,
-    and the fetch overlaps this tile's compute (verify steps with 4-16 draft tokens 6-10% faster on a 2-core AVX2
-    EPYC, with the scratch allocated once per task; same bits). With one pass (one or two rows) there is nothing to overlap it with, and the hardware
-    prefetcher alone streams the weights, as before."""
+    and the fetch overlaps this tile's compute (the same bits; in one-off paired timings on a 2-core AVX2 EPYC, not
+    a results file, verify steps with 4-16 draft tokens ran 6-10% faster). With one pass (one or two rows) there is
+    nothing to overlap the fetch with, and prefetching there timed 2% slower: the hardware prefetcher alone streams
+    the weights, as before."""
     rows, k_dim = x.shape
     tiles = w.shape[0] // WEIGHT_ROWS
     passes = (rows + 1) // 2
@@ -161,17 +179,7 @@ def _linear_kernel(x: np.ndarray, w: np.ndarray, bias: np.ndarray, out: np.ndarr
                     for line in range(first, min(first + lines_per_pass, WEIGHT_ROWS * row_lines)):
                         _prefetch(w, n0 + WEIGHT_ROWS + line // row_lines, (line % row_lines) * _LINE_ELEMENTS)
                 xa, xb = xf[m], xf[min(m + 1, rows - 1)]
-                a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
-                for k in range(k_dim):
-                    u, v = xa[k], xb[k]
-                    a0 += u * w0[k]
-                    a1 += u * w1[k]
-                    a2 += u * w2[k]
-                    a3 += u * w3[k]
-                    b0 += v * w0[k]
-                    b1 += v * w1[k]
-                    b2 += v * w2[k]
-                    b3 += v * w3[k]
+                a0, a1, a2, a3, b0, b1, b2, b3 = _dot_2x4(xa, xb, w0, w1, w2, w3, k_dim)
                 result[0], result[1], result[2], result[3] = a0, a1, a2, a3
                 result[4], result[5], result[6], result[7] = b0, b1, b2, b3
                 for r in range(WEIGHT_ROWS):
@@ -231,8 +239,8 @@ def _gather_widened(pool, kv, slots, out, dim):
 
 @njit(inline="always")
 def _scores(qf, kf, scores, dim):
-    """scores[i, j] = qf[i] . kf[j] for every query row and key. Every score comes out of the same loop body (two
-    rows x four keys, eight dot products over head_dim, vectorised along it); odd edges repeat their last row or key
+    """scores[i, j] = qf[i] . kf[j] for every query row and key. Every score comes out of the same loop body
+    (`_dot_2x4`: two rows x four keys, over head_dim); odd edges repeat their last row or key
     rather than running a different loop, so a score depends only on its two vectors."""
     rows, keys = qf.shape[0], kf.shape[0]
     for i in range(0, rows, 2):
@@ -241,17 +249,7 @@ def _scores(qf, kf, scores, dim):
         for j in range(0, keys, _KEY_TILE):
             j0, j1, j2, j3 = j, min(j + 1, keys - 1), min(j + 2, keys - 1), min(j + 3, keys - 1)
             k0, k1, k2, k3 = kf[j0], kf[j1], kf[j2], kf[j3]
-            a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
-            for d in range(dim):
-                u, v = qa[d], qb[d]
-                a0 += u * k0[d]
-                a1 += u * k1[d]
-                a2 += u * k2[d]
-                a3 += u * k3[d]
-                b0 += v * k0[d]
-                b1 += v * k1[d]
-                b2 += v * k2[d]
-                b3 += v * k3[d]
+            a0, a1, a2, a3, b0, b1, b2, b3 = _dot_2x4(qa, qb, k0, k1, k2, k3, dim)
             scores[ia, j0], scores[ia, j1], scores[ia, j2], scores[ia, j3] = a0, a1, a2, a3
             scores[ib, j0], scores[ib, j1], scores[ib, j2], scores[ib, j3] = b0, b1, b2, b3
 
