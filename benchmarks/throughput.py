@@ -401,8 +401,11 @@ def write_markdown(path: Path, result: dict) -> None:
     ]
     for replaced in result.get("replaced_groups", []):
         groups = ", ".join(f"{s} cap {c}" for s, c in replaced["groups"])
+        rounds = replaced.get("rounds", 1)
         lines.append(f"Re-measured after the run and replaced: {groups}, with `{replaced['command']}`"
-                     + (f" ({replaced['note']})" if replaced.get("note") else "") + "; the run-wide step-time "
+                     + (f", each of its rows the fastest of {rounds} rounds (every round's tok/s in the JSON's "
+                        "`tokens_per_s_rounds`)" if rounds > 1 else "")
+                     + (f". Why: {replaced['note']}" if replaced.get("note") else "") + ". The run-wide step-time "
                      "error and fits above are the original run's.")
     lines += [
         "",
@@ -462,7 +465,7 @@ def replace_groups(name: str, new: dict, *, command: str, note: str | None) -> d
     outputs.update(new["outputs"])
     np.savez_compressed(outputs_path, **outputs)
     old.setdefault("replaced_groups", []).append({"groups": [list(g) for g in groups], "command": command,
-                                                  "seconds": new["seconds"], "note": note})
+                                                  "rounds": new.get("rounds", 1), "seconds": new["seconds"], "note": note})
     old["summary"] = summarize(old, list(dict.fromkeys(r["set"] for r in old["rows"])))
     return old
 
@@ -525,7 +528,12 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     result = run(args.sets, args.caps, args.policies, prompts_per_cap=prompts_per_cap, max_tokens=args.max_tokens,
                  identity_prompts=0 if args.replace_groups else args.identity_prompts, rounds=args.rounds)
-    command = shlex.join(["python", "-m", "benchmarks.throughput", *(argv if argv is not None else sys.argv[1:])])
+    given = list(argv if argv is not None else sys.argv[1:])
+    if "--note" in given:  # recorded beside the command (`replace_groups`), not inside it
+        at = given.index("--note")
+        del given[at:at + 2]
+    given = [a for a in given if not a.startswith("--note=")]
+    command = shlex.join(["python", "-m", "benchmarks.throughput", *given])
     result["max_tokens"] = args.max_tokens
     result["seconds"] = round(time.perf_counter() - started, 1)
     name = args.name or ("throughput_quick" if args.quick else "throughput")

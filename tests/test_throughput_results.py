@@ -34,7 +34,7 @@ def test_replaced_groups_swap_in_place_and_are_recorded(tmp_path, monkeypatch):
                         for p in ("none", "goodput")}, tmp_path)
     new = {"rows": [_row("a", 1, p, v) for p, v in (("none", 10.0), ("fixed:4", 12.0), ("goodput", 15.0))],
            "group_fits": [{"set": "a", "cap": 1, "fit": "new"}], "bf16_divergences": [],
-           "outputs": {"a_1_goodput_tokens": np.array([9, 9, 9])}, "max_tokens": 192, "seconds": 3.0}
+           "outputs": {"a_1_goodput_tokens": np.array([9, 9, 9])}, "max_tokens": 192, "seconds": 3.0, "rounds": 3}
 
     merged = throughput.replace_groups("throughput", new, command="python -m benchmarks.throughput --caps 1",
                                        note="disturbed")
@@ -45,7 +45,7 @@ def test_replaced_groups_swap_in_place_and_are_recorded(tmp_path, monkeypatch):
     assert {(d["set"], d["cap"]) for d in merged["bf16_divergences"]} == {("a", 16), ("b", 1)}
     assert merged["summary"]["goodput_vs_best_fixed_min"] == pytest.approx(11.0 / 12.0)  # from the kept groups
     assert merged["replaced_groups"] == [{"groups": [["a", 1]], "command": "python -m benchmarks.throughput --caps 1",
-                                          "seconds": 3.0, "note": "disturbed"}]
+                                          "rounds": 3, "seconds": 3.0, "note": "disturbed"}]
     with np.load(tmp_path / "throughput_outputs.npz") as arrays:
         assert sorted(arrays.files) == ["a_16_goodput_tokens", "a_16_none_tokens", "a_1_goodput_tokens",
                                         "b_1_goodput_tokens", "b_1_none_tokens"]
