@@ -57,10 +57,9 @@ Closed loop (`observe`, called by the orchestrator after every step):
   third for `fixed:4`). Known limit: on the AVX2 CPU at MT-Bench cap 16 (`throughput_avx2.md`, 3 rounds) goodput
   made 0.95-0.97 of `none`. Per step it gained (one-off traces: +2-6% tokens per verify-second at batch 14-16), but
   drafts that hit unevenly part the requests' finishing times: `none`'s last 8 requests finished on the same step,
-  while goodput's last one ran about 28 steps alone at ~35 tok/s. The likely reason (not yet tested: single runs of
-  variants differ by +-3% there): in a drain, a node for a request other than the slowest costs the slowest one
-  its share of the step now, and saves it only that request's per-request cost (~2.3 ms of a 67 ms step there)
-  once it leaves, while the weights above value its tokens at up to the slowest's.
+  while goodput's last one ran about 28 steps alone at ~35 tok/s. Sharper drain weights did not help: valuing only
+  the requests within 10% of the slowest (the others at 1/16) made a median 0.984 of `none` over 5 paired rounds,
+  against 0.985 for these weights (one-off A/B, not a results file). The fix is still open.
 
 - per-request ceiling: at most max(4, T / b) nodes per request, T = the larger of `batch_node_ceiling` (64) and
   the roofline's free token budget (SSSD's knee: ~12 tokens on this CPU, ~295 for bf16 on an H100). The calibrated
