@@ -470,6 +470,17 @@ def replace_groups(name: str, new: dict, *, command: str, note: str | None) -> d
     return old
 
 
+def recorded_command(argv: list[str]) -> str:
+    """The command line a results file records: without `--note`, which `replace_groups` records beside it."""
+    kept, args = [], iter(argv)
+    for arg in args:
+        if arg == "--note":
+            next(args, None)  # its value
+        elif not arg.startswith("--note="):
+            kept.append(arg)
+    return shlex.join(["python", "-m", "benchmarks.throughput", *kept])
+
+
 def divergence_summary(divergences: list[dict], batch_invariant: bool = False, cpu_kernels: bool = False) -> str:
     """bf16 outputs may leave `none`'s only at near-ties: report how many did and the widest top-2 logit gap."""
     if not divergences:
@@ -528,12 +539,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     result = run(args.sets, args.caps, args.policies, prompts_per_cap=prompts_per_cap, max_tokens=args.max_tokens,
                  identity_prompts=0 if args.replace_groups else args.identity_prompts, rounds=args.rounds)
-    given = list(argv if argv is not None else sys.argv[1:])
-    if "--note" in given:  # recorded beside the command (`replace_groups`), not inside it
-        at = given.index("--note")
-        del given[at:at + 2]
-    given = [a for a in given if not a.startswith("--note=")]
-    command = shlex.join(["python", "-m", "benchmarks.throughput", *given])
+    command = recorded_command(argv if argv is not None else sys.argv[1:])
     result["max_tokens"] = args.max_tokens
     result["seconds"] = round(time.perf_counter() - started, 1)
     name = args.name or ("throughput_quick" if args.quick else "throughput")

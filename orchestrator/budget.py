@@ -54,12 +54,9 @@ Closed loop (`observe`, called by the orchestrator after every step):
   ends when its slowest request does, so each request's tokens are weighed by its steps left relative to the slowest
   request's. Greedy goodput otherwise finishes the easy requests first and leaves the hard ones to a long, nearly
   empty tail (grounded set, cap 16: about 40% of the run's time with fewer than 16 requests running, against a
-  third for `fixed:4`). Known limit: on the AVX2 CPU at MT-Bench cap 16 (`throughput_avx2.md`, 3 rounds) goodput
-  made 0.95-0.97 of `none`. Per step it gained (one-off traces: +2-6% tokens per verify-second at batch 14-16), but
-  drafts that hit unevenly part the requests' finishing times: `none`'s last 8 requests finished on the same step,
-  while goodput's last one ran about 28 steps alone at ~35 tok/s. Sharper drain weights did not help: valuing only
-  the requests within 10% of the slowest (the others at 1/16) made a median 0.984 of `none` over 5 paired rounds,
-  against 0.985 for these weights (one-off A/B, not a results file). The fix is still open.
+  third for `fixed:4`). Known limit, open: on the AVX2 CPU at MT-Bench cap 16 goodput made 0.95-0.97 of `none`
+  in each of 3 rounds (`throughput_avx2.md`). Drafts that hit unevenly part the requests' finishing times, so its
+  batch drains through a tail of small steps that `none`, whose requests finish in lockstep, never runs.
 
 - per-request ceiling: at most max(4, T / b) nodes per request, T = the larger of `batch_node_ceiling` (64) and
   the roofline's free token budget (SSSD's knee: ~12 tokens on this CPU, ~295 for bf16 on an H100). The calibrated

@@ -76,6 +76,12 @@ def test_replacing_a_group_the_file_never_measured_is_refused_and_changes_nothin
     assert (tmp_path / "throughput.json").read_text() == before
 
 
+def test_the_recorded_command_leaves_the_note_out():
+    assert (throughput.recorded_command(["--caps", "16", "--note", "load burst: see log", "--replace-groups"])
+            == "python -m benchmarks.throughput --caps 16 --replace-groups")
+    assert throughput.recorded_command(["--note=why", "--rounds", "3"]) == "python -m benchmarks.throughput --rounds 3"
+
+
 def test_spread_sample_covers_the_whole_set():
     mtbench_like = [f"{category}-{i}" for category in "abcdefgh" for i in range(10)]  # sorted by category
     picked = spread(mtbench_like, 8)

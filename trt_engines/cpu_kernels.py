@@ -148,10 +148,9 @@ def _linear_kernel(x: np.ndarray, w: np.ndarray, bias: np.ndarray, out: np.ndarr
 
     A verify step's few rows make each weight tile's compute short, and waiting for the next tile from memory cost
     about as much as the arithmetic: so each pass over the rows prefetches its share of the next tile's cache lines,
-    and the fetch overlaps this tile's compute (the same bits; in one-off paired timings on a 2-core AVX2 EPYC, not
-    a results file, verify steps with 4-16 draft tokens ran 6-10% faster). With one pass (one or two rows) there is
-    nothing to overlap the fetch with, and prefetching there timed 2% slower: the hardware prefetcher alone streams
-    the weights, as before."""
+    and the fetch overlaps this tile's compute (the same bits). With one pass (one or two rows) there is nothing to
+    overlap the fetch with, and the hardware prefetcher alone streams the weights. What this buys is not yet in a
+    committed results file: `verify_cost.md` predates it."""
     rows, k_dim = x.shape
     tiles = w.shape[0] // WEIGHT_ROWS
     passes = (rows + 1) // 2
