@@ -29,7 +29,8 @@ def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("out_features, rows", [(960, 1), (576, 2), (963, 7), (64, 70), (5, 129)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_is_the_bf16_rounding_of_the_fp32_product(out_features, rows, with_bias):
-    # Rows beyond one kernel call (64), an odd row count, and an output size that is not a multiple of four (padded)
+    # Rows beyond one kernel call (64), row counts that leave a partial group of six, output sizes that are not a
+    # multiple of the 16-feature tiles (padded)
     rng = np.random.default_rng(out_features + rows)
     weight, x = _bf16(rng, out_features, 576), _bf16(rng, rows, 576)
     bias = _bf16(rng, out_features) if with_bias else None
@@ -58,8 +59,8 @@ def test_linear_rows_do_not_depend_on_the_batch(rows, position, seed):
 
 
 def test_linear_does_not_depend_on_the_thread_count():
-    # The weight tiles are split into runs per thread (`_TASKS_PER_THREAD`), and each run prefetches the tile after
-    # its own: how many threads share the work changes neither the split of any dot product nor a bit of the output.
+    # The weight tiles are split into runs per thread (`_TASKS_PER_THREAD`): how many threads share the work changes
+    # neither the order of any output's multiply-adds nor a bit of the output.
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("needs a CPU with two cores")
     rng = np.random.default_rng(7)
@@ -159,6 +160,10 @@ def test_bad_input_is_refused():
         Bf16Linear(weight)(torch.zeros(2, 4))
     with pytest.raises(ValueError, match="contiguous bf16 CPU tensor"):
         Bf16Linear(weight.float())
+    with pytest.raises(ValueError, match=r"expects x \[T, 4\]; got shape \(2, 5\)"):
+        Bf16Linear(weight)(torch.zeros(2, 5, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="in_features >= 1"):
+        Bf16Linear(torch.zeros(8, 0, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="ctx \\+ rows keys"):
         TreeAttentionLayout([(0, 5, np.arange(4), np.ones((2, 2), bool))])
 

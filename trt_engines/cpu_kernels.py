@@ -4,17 +4,21 @@ Without AVX512-BF16 or AMX, PyTorch's bf16 matmuls on the CPU fall back to a slo
 16-row bf16 linear layer ran at ~16 GFLOP/s (one of SmolLM2's MLP projections: 3.5 ms for 16 rows, 0.47 ms for 2),
 and its batched attention matmuls likewise, so verifying a 15-node tree cost 6.6x a plain step. These kernels read
 the bf16 weights and KV cache as raw bits, widen them to fp32 in registers and accumulate in fp32 (what bf16 GEMMs
-do), at ~100 GFLOP/s on the same machine (0.58 ms for 16 rows). `TorchEngine(cpu_kernels=...)` decides where they run.
+do). Their matrix products run on one register-blocked micro-kernel (`_tile_products`, in LLVM IR: up to six rows
+times sixteen outputs per pass over the shared dimension, accumulators in registers), so a verify step's extra rows
+cost compute at close to the FMA units' rate rather than loads and horizontal sums; `verify_cost.md` has the step
+times. `TorchEngine(cpu_kernels=...)` decides where they run.
 
 Both are batch-invariant by construction, which is what lossless bf16 speculation needs (`torch_engine` docstring):
 
-- `linear`: every output element is one dot product over the input features, in a fixed order that depends only on
-  the layer's shape, never on how many rows are computed together or where a row sits in the batch.
+- `linear`: every output element is one chain of fused multiply-adds over the input features in order (then the
+  bias, then one rounding), never split or reassociated, whatever rows are computed beside it or where a row sits.
 - `tree_attention`: each query row attends over exactly the keys it may see (its context, its tree ancestors,
-  itself), gathered into one list in slot order; masked keys are left out, not given zero weight. A score is one dot
-  product over head_dim whatever else is computed beside it, and the softmax and the weighted sum of values run
-  over that list alone, split into vector lanes in a way that depends only on its length. A draft token's list is
-  the one plain decoding of its path sees (its ancestors are the tokens plain decoding saw, in the same order), so
+  itself), in slot order. A score is one dot product over head_dim whatever else is computed beside it; the softmax
+  runs over the row's visible keys alone (masked keys are left out, and its sums split into vector lanes in a way
+  that depends only on how many it sees); the weighted sum of values is one chain of fused multiply-adds in slot
+  order, where a masked key's weight is exactly 0 and so adds exactly nothing. A draft token's visible keys are the
+  ones plain decoding of its path sees (its ancestors are the tokens plain decoding saw, in the same order), so
   verified anywhere in a draft tree, on any branch, next to any other requests, it gets bitwise the result it gets
   in plain decoding.
 
@@ -38,13 +42,13 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 from torch import Tensor
 
-# Reassociation lets the dot products vectorise (a fixed split into lanes, the same for every row); contraction
-# fuses multiply-adds. Neither depends on the data or on the batch, so results stay batch-invariant (attention's
-# sums over keys run over each row's own key list, so there too the split depends only on that list).
+# Reassociation lets the attention kernel's dot products vectorise (a fixed split into lanes, the same for every row);
+# contraction fuses multiply-adds. Neither depends on the data or on the batch, so results stay batch-invariant
+# (attention's sums over keys run over each row's own key list, so there too the split depends only on that list).
 _FASTMATH = {"reassoc", "contract", "nsz"}
-WEIGHT_ROWS = 4  # output features per task of `_linear_kernel` (times two input rows: eight dot products at once)
-_ROW_CHUNK = 64  # input rows per kernel call (even): a chunk stays in L2 while every weight tile streams past it
-_LINE_ELEMENTS = 32  # bf16 values per 64-byte cache line
+LANES = 16  # output features per packed weight tile: two 8-float vectors (AVX2 registers)
+TILE_ROWS = 6  # input rows per micro-kernel call: 12 accumulators + 2 weights + 1 broadcast fill AVX2's 16 registers
+_ROW_CHUNK = 64  # input rows per kernel call: a chunk of widened rows stays in L2 while every weight tile streams past
 _TASKS_PER_THREAD = 4  # runs of weight tiles per thread and `_linear_kernel` call: balanced however they split
 
 
@@ -104,7 +108,8 @@ def _store_overload(out, i, j, values, index):
 @njit(inline="always")
 def _dot_2x4(xa, xb, w0, w1, w2, w3, n):
     """The eight dot products of two vectors with four others over their first n elements, in one loop (vectorised
-    along it): the one loop body both kernels compute every product with, whatever else is computed beside it."""
+    along it): the one loop body the attention kernel computes every score with, whatever else is computed beside
+    it."""
     a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
     for k in range(n):
         u, v = xa[k], xb[k]
@@ -119,87 +124,167 @@ def _dot_2x4(xa, xb, w0, w1, w2, w3, n):
     return a0, a1, a2, a3, b0, b1, b2, b3
 
 
-@intrinsic
-def _prefetch(typingctx, array, row, col):
-    """Ask the CPU to start loading array[row, col]'s cache line (LLVM's prefetch: read, keep in every cache level);
-    a hint that never faults and changes no value."""
-    if not (isinstance(array, types.Array) and array.ndim == 2):
-        return None
-
-    def codegen(context, builder, signature, args):
-        array_type = signature.args[0]
-        view = context.make_array(array_type)(context, builder, args[0])
-        pointer = cgutils.get_item_pointer(context, builder, array_type, view, [args[1], args[2]], wraparound=False)
-        i32 = ir.IntType(32)
-        function_type = ir.FunctionType(ir.VoidType(), [pointer.type, i32, i32, i32])
-        function = cgutils.get_or_insert_function(builder.module, function_type, "llvm.prefetch.p0")
-        builder.call(function, [pointer, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-        return context.get_dummy_value()
-
-    return types.void(array, row, col), codegen
+_F32x8 = ir.VectorType(ir.FloatType(), 8)
+_I32x8 = ir.VectorType(ir.IntType(32), 8)
+_I16x8 = ir.VectorType(ir.IntType(16), 8)
 
 
-@njit(parallel=True, fastmath=_FASTMATH, boundscheck=False, cache=True)
-def _linear_kernel(x: np.ndarray, w: np.ndarray, bias: np.ndarray, out: np.ndarray, tasks: int) -> None:
-    """out = x w^T + bias, accumulated in fp32: x [M, K], w [N, K] (N a multiple of WEIGHT_ROWS) bf16 bits, bias [N]
-    fp32, out [M, N] bf16 bits (or fp32); `tasks` runs of consecutive weight tiles share the threads, each allocating
-    its scratch once. Every output comes out of the same loop body (`_dot_2x4`: two input rows x four weight rows)
-    whatever M is (an odd last row is paired with itself): that is what makes rows batch-invariant.
+def _tile_products(rows: int):
+    """An intrinsic `(b, b_row, b_col, xf, m0, k_dim, out, out_row, out_col) -> None`: for r < rows, j < LANES,
 
-    A verify step's few rows make each weight tile's compute short, and waiting for the next tile from memory cost
-    about as much as the arithmetic: so each pass over the rows prefetches its share of the next tile's cache lines,
-    and the fetch overlaps this tile's compute (the same bits). With one pass (one or two rows) there is nothing to
-    overlap the fetch with, and the hardware prefetcher alone streams the weights. What this buys is not yet in a
-    committed results file: `verify_cost.md` predates it."""
+        out[out_row + r, out_col + j] = sum over k < k_dim of xf[m0 + r, k] * b[b_row + k, b_col + j]
+
+    with b a 2D array of bf16 bits (widened here) or fp32 whose rows are contiguous, xf [M, >= k_dim] fp32 and out
+    2D fp32. Written in LLVM IR because it is a register-blocked micro-kernel, which numba's arrays cannot express:
+    the 2 x rows accumulators (8-float vectors) stay in registers for the whole loop over k, and per k the LANES
+    values b[b_row + k, b_col:][:LANES] are loaded once, widened to fp32 and fused into every row's accumulators.
+    Each output is one chain of fused multiply-adds in k order (llvm.fma, never reassociated) starting from 0, so
+    its bits depend only on its own row of xf and column of b, never on `rows` or on what is computed beside it;
+    a term whose xf value is 0 adds exactly nothing (for finite b)."""
+
+    def typer(typingctx, b, b_row, b_col, xf, m0, k_dim, out, out_row, out_col):
+        if not (isinstance(b, types.Array) and b.ndim == 2 and b.dtype in (types.uint16, types.float32)
+                and isinstance(xf, types.Array) and xf.ndim == 2 and xf.dtype == types.float32
+                and isinstance(out, types.Array) and out.ndim == 2 and out.dtype == types.float32):
+            return None
+        bf16 = b.dtype == types.uint16
+        stored = _I16x8 if bf16 else _F32x8
+
+        def codegen(context, builder, signature, args):
+            b_type, x_type, out_type = signature.args[0], signature.args[3], signature.args[6]
+            b_view = context.make_array(b_type)(context, builder, args[0])
+            x_view = context.make_array(x_type)(context, builder, args[3])
+            out_view = context.make_array(out_type)(context, builder, args[6])
+            b_row0, b_col0, m0_index, k_dim_value = args[1], args[2], args[4], args[5]
+            out_row0, out_col0 = args[7], args[8]
+            i64 = ir.IntType(64)
+
+            def const(value):
+                return ir.Constant(i64, value)
+
+            def item(array_type, view, i, j):
+                return cgutils.get_item_pointer(context, builder, array_type, view, [i, j], wraparound=False)
+
+            x_rows = [item(x_type, x_view, builder.add(m0_index, const(r)), const(0)) for r in range(rows)]
+            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32x8, [_F32x8] * 3),
+                                                 "llvm.fma.v8f32")
+            entry = builder.block
+            loop = builder.append_basic_block("tile_products.loop")
+            done = builder.append_basic_block("tile_products.done")
+            builder.branch(loop)
+
+            builder.position_at_end(loop)
+            k = builder.phi(i64)
+            acc = [[builder.phi(_F32x8) for _ in range(2)] for _ in range(rows)]
+            k.add_incoming(const(0), entry)
+            for phi in (p for row in acc for p in row):
+                phi.add_incoming(ir.Constant(_F32x8, None), entry)  # zeros
+            b_values = []
+            for half in range(2):
+                pointer = item(b_type, b_view, builder.add(b_row0, k), builder.add(b_col0, const(8 * half)))
+                loaded = builder.load(builder.bitcast(pointer, stored.as_pointer()), align=b_type.dtype.bitwidth // 8)
+                if bf16:
+                    bits = builder.shl(builder.zext(loaded, _I32x8), ir.Constant(_I32x8, [16] * 8))
+                    loaded = builder.bitcast(bits, _F32x8)
+                b_values.append(loaded)
+            updated = []
+            for r in range(rows):
+                value = builder.load(builder.gep(x_rows[r], [k]), align=4)
+                lane0 = builder.insert_element(ir.Constant(_F32x8, ir.Undefined), value, ir.Constant(ir.IntType(32), 0))
+                broadcast = builder.shuffle_vector(lane0, ir.Constant(_F32x8, ir.Undefined),
+                                                   ir.Constant(_I32x8, [0] * 8))
+                updated.append([builder.call(fma, [broadcast, b_values[h], acc[r][h]]) for h in range(2)])
+            next_k = builder.add(k, const(1))
+            k.add_incoming(next_k, loop)
+            for r in range(rows):
+                for h in range(2):
+                    acc[r][h].add_incoming(updated[r][h], loop)
+            builder.cbranch(builder.icmp_signed("<", next_k, k_dim_value), loop, done)
+
+            builder.position_at_end(done)
+            for r in range(rows):
+                for h in range(2):
+                    target = item(out_type, out_view, builder.add(out_row0, const(r)),
+                                  builder.add(out_col0, const(8 * h)))
+                    builder.store(updated[r][h], builder.bitcast(target, _F32x8.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return types.void(b, b_row, b_col, xf, m0, k_dim, out, out_row, out_col), codegen
+
+    typer.__name__ = f"_tile_products_{rows}"
+    return intrinsic(typer)
+
+
+_products_1, _products_2, _products_3, _products_4, _products_5, _products_6 = (
+    _tile_products(rows) for rows in range(1, TILE_ROWS + 1))
+
+
+@njit(inline="always")
+def _products(b, b_row, b_col, xf, m0, k_dim, out, out_row, out_col, rows):
+    """`_tile_products(rows)` for 1 <= rows <= TILE_ROWS (numba needs each instance named)."""
+    if rows == 6:
+        _products_6(b, b_row, b_col, xf, m0, k_dim, out, out_row, out_col)
+    elif rows == 5:
+        _products_5(b, b_row, b_col, xf, m0, k_dim, out, out_row, out_col)
+    elif rows == 4:
+        _products_4(b, b_row, b_col, xf, m0, k_dim, out, out_row, out_col)
+    elif rows == 3:
+        _products_3(b, b_row, b_col, xf, m0, k_dim, out, out_row, out_col)
+    elif rows == 2:
+        _products_2(b, b_row, b_col, xf, m0, k_dim, out, out_row, out_col)
+    else:
+        _products_1(b, b_row, b_col, xf, m0, k_dim, out, out_row, out_col)
+
+
+@njit(parallel=True, boundscheck=False, cache=True)
+def _linear_kernel(x: np.ndarray, packed: np.ndarray, bias: np.ndarray, out: np.ndarray, tasks: int) -> None:
+    """out = x w^T + bias, accumulated in fp32: x [M, K] bf16 bits, packed [N / LANES * K, LANES] the weight's
+    bf16 bits in tiles of K rows (`Bf16Linear`), bias [N] fp32, out [M, N] bf16 bits (or fp32). `tasks` runs of
+    consecutive tiles share the threads; each tile meets the rows in groups of up to TILE_ROWS (`_tile_products`),
+    its LANES x K weights read from memory by the first group and from cache by the rest.
+
+    Every output is one fused multiply-add chain over K in order, then + bias, then one rounding: the same bits
+    whatever M is, where its row sits and which group it falls in (what makes rows batch-invariant). One or two rows
+    stream the weights at memory speed; more rows are compute-bound, and the register blocking keeps the FMA units
+    busy where a dot-product loop stalls on loads and horizontal sums."""
     rows, k_dim = x.shape
-    tiles = w.shape[0] // WEIGHT_ROWS
-    passes = (rows + 1) // 2
-    row_lines = (k_dim + _LINE_ELEMENTS - 1) // _LINE_ELEMENTS
-    lines_per_pass = (WEIGHT_ROWS * row_lines + passes - 1) // passes
+    tiles = packed.shape[0] // k_dim
     xw = np.empty((rows, k_dim), np.uint32)
     for m in range(rows):
         for k in range(k_dim):
             xw[m, k] = _widen(x[m, k])
     xf = xw.view(np.float32)
     for task in prange(tasks):
-        ww = np.empty((WEIGHT_ROWS, k_dim), np.uint32)
-        result = np.empty(2 * WEIGHT_ROWS, np.float32)
+        acc = np.empty((TILE_ROWS, LANES), np.float32)
         for tile in range(task * tiles // tasks, (task + 1) * tiles // tasks):
-            n0 = tile * WEIGHT_ROWS
-            prefetching = passes > 1 and tile + 1 < tiles
-            for r in range(WEIGHT_ROWS):
-                for k in range(k_dim):
-                    ww[r, k] = _widen(w[n0 + r, k])
-            wf = ww.view(np.float32)
-            w0, w1, w2, w3 = wf[0], wf[1], wf[2], wf[3]
-            for m in range(0, rows, 2):
-                if prefetching:
-                    first = (m // 2) * lines_per_pass
-                    for line in range(first, min(first + lines_per_pass, WEIGHT_ROWS * row_lines)):
-                        _prefetch(w, n0 + WEIGHT_ROWS + line // row_lines, (line % row_lines) * _LINE_ELEMENTS)
-                xa, xb = xf[m], xf[min(m + 1, rows - 1)]
-                a0, a1, a2, a3, b0, b1, b2, b3 = _dot_2x4(xa, xb, w0, w1, w2, w3, k_dim)
-                result[0], result[1], result[2], result[3] = a0, a1, a2, a3
-                result[4], result[5], result[6], result[7] = b0, b1, b2, b3
-                for r in range(WEIGHT_ROWS):
-                    result[r] += bias[n0 + r]
-                    result[WEIGHT_ROWS + r] += bias[n0 + r]
-                for r in range(WEIGHT_ROWS):
-                    _store(out, m, n0 + r, result, r)
-                    if m + 1 < rows:
-                        _store(out, m + 1, n0 + r, result, WEIGHT_ROWS + r)
+            n0 = tile * LANES
+            for m0 in range(0, rows, TILE_ROWS):
+                group = min(TILE_ROWS, rows - m0)
+                _products(packed, tile * k_dim, 0, xf, m0, k_dim, acc, 0, 0, group)
+                for r in range(group):
+                    for j in range(LANES):
+                        acc[r, j] += bias[n0 + j]
+                        _store(out, m0 + r, n0 + j, acc[r], j)
 
 
 class Bf16Linear:
     """A bf16 weight [N, K] (and optional bias) applied with `_linear_kernel`; `__call__(x [T, K] bf16) -> [T, N]
-    bf16`. Holds a view of the weight's bits (a zero-padded copy when N is not a multiple of WEIGHT_ROWS)."""
+    bf16`. Holds the weight's bits repacked into tiles of LANES output features, feature-major within a tile, so a
+    tile is one contiguous stream (a copy: N * K * 2 bytes, N padded with zeros to a multiple of LANES)."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None):
-        self.out_features = weight.shape[0]
+        if weight.ndim != 2 or weight.shape[1] < 1:
+            raise ValueError("Bf16Linear needs a weight [out_features, in_features >= 1]; "
+                             f"got shape {tuple(weight.shape)}")
+        self.out_features, self.in_features = weight.shape
         bits = bf16_bits(weight.detach())
-        pad = -self.out_features % WEIGHT_ROWS
-        self.bits = np.concatenate([bits, np.zeros((pad, bits.shape[1]), np.uint16)]) if pad else bits
-        self.bias = np.zeros(self.bits.shape[0], np.float32)
+        pad = -self.out_features % LANES
+        if pad:
+            bits = np.concatenate([bits, np.zeros((pad, self.in_features), np.uint16)])
+        tiles = bits.shape[0] // LANES
+        self.packed = np.ascontiguousarray(bits.reshape(tiles, LANES, self.in_features).transpose(0, 2, 1))
+        self.packed = self.packed.reshape(tiles * self.in_features, LANES)
+        self.bias = np.zeros(bits.shape[0], np.float32)
         if bias is not None:
             self.bias[: self.out_features] = bias.detach().float().numpy()
 
@@ -207,11 +292,13 @@ class Bf16Linear:
         """x [T, K] bf16 -> [T, N] bf16 (`fp32_out`: the fp32 accumulations before rounding, for tests)."""
         if x.dtype != torch.bfloat16:
             raise TypeError(f"Bf16Linear takes bf16 inputs; got {x.dtype}")
+        if x.ndim != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"Bf16Linear expects x [T, {self.in_features}]; got shape {tuple(x.shape)}")
         xb = bf16_bits(x.detach().contiguous())
-        out = np.empty((xb.shape[0], self.bits.shape[0]), np.float32 if fp32_out else np.uint16)
-        tasks = min(self.bits.shape[0] // WEIGHT_ROWS, numba.get_num_threads() * _TASKS_PER_THREAD)
+        out = np.empty((xb.shape[0], self.bias.shape[0]), np.float32 if fp32_out else np.uint16)
+        tasks = min(self.bias.shape[0] // LANES, numba.get_num_threads() * _TASKS_PER_THREAD)
         for start in range(0, xb.shape[0], _ROW_CHUNK):
-            _linear_kernel(xb[start:start + _ROW_CHUNK], self.bits, self.bias, out[start:start + _ROW_CHUNK], tasks)
+            _linear_kernel(xb[start:start + _ROW_CHUNK], self.packed, self.bias, out[start:start + _ROW_CHUNK], tasks)
         result = torch.from_numpy(out) if fp32_out else torch.from_numpy(out).view(torch.bfloat16)
         return result if out.shape[1] == self.out_features else result[:, : self.out_features]
 
@@ -224,7 +311,7 @@ _EXP_POLY = tuple(np.float32(c) for c in (1.9875691500e-4, 1.3981999507e-3, 8.33
                                           1.6666665459e-1, 5.0000001201e-1))
 _EXP_FLOOR = np.float32(-87.0)  # below it exp underflows to (nearly) 0 and 2^n would leave the normal range
 _ROWS_PER_TASK = 16  # query rows (tokens x heads of a KV group) per task of `_tree_attention_kernel`
-_KEY_TILE = 4  # keys per step of the score loop (times two query rows: eight dot products at once, as in `linear`)
+_KEY_TILE = 4  # keys per step of the score loop (times two query rows: eight dot products at once)
 
 
 @njit(inline="always")
@@ -294,6 +381,7 @@ def _tree_attention_kernel(head_dim: int):
         `mask[mask_start[s]:]` (uint8, row-major). Scores, softmax and the weighted sum run in fp32; `out` may be
         fp32."""
         dim = head_dim
+        value_width = (dim + LANES - 1) // LANES * LANES
         for task in prange(task_segment.shape[0]):
             s, kv, first, count = task_segment[task], task_kv[task], task_first[task], task_rows[task]
             n, c, r0 = rows[s], ctx[s], row_start[s]
@@ -304,22 +392,28 @@ def _tree_attention_kernel(head_dim: int):
                 g, i = divmod(first + row, n)
                 for d in range(dim):
                     q_bits[row, d] = _widen(q[r0 + i, kv * group + g, d])
-            kv_bits = np.empty((keys, dim), np.uint32)
+            kv_bits = np.empty((keys, value_width), np.uint32)
             _gather_widened(k_pool, kv, slots, kv_bits, dim)
             scores = np.empty((count, keys), np.float32)
             _scores(q_bits.view(np.float32), kv_bits.view(np.float32), scores, dim)
             _gather_widened(v_pool, kv, slots, kv_bits, dim)  # the keys are done with: their buffer takes the values
-            vf = kv_bits.view(np.float32)
+            for j in range(keys):
+                for d in range(dim, value_width):  # spare lanes of the last tile of features
+                    kv_bits[j, d] = 0
+            # each row's softmax weights over all the segment's keys, exactly 0 where it may not look: a weight-0
+            # key adds exactly nothing to a chain of fused multiply-adds, so the weighted sum below equals the chain
+            # over the row's visible keys alone, in slot order
+            probs = np.zeros((count, keys), np.float32)
+            totals = np.empty(count, np.float32)
             visible = np.arange(keys)
             weights = np.empty(keys, np.float32)
             power_bits = np.empty(keys, np.uint32)
-            acc = np.empty(dim, np.float32)
             for row in range(count):
                 g, i = divmod(first + row, n)
                 # the keys this row sees, in slot order: its context, then its ancestors and itself. For a draft
                 # token that is exactly the key list plain decoding of its path sees, so everything below, which
-                # depends only on that list (its length fixes how the sums split into vector lanes), matches plain
-                # decoding bitwise.
+                # depends only on that list (its length fixes how the softmax's sums split into vector lanes),
+                # matches plain decoding bitwise.
                 m = c
                 for j in range(n):
                     if mask[mask_start[s] + i * n + j]:
@@ -327,24 +421,20 @@ def _tree_attention_kernel(head_dim: int):
                         m += 1
                 for t in range(m):
                     weights[t] = scores[row, visible[t]] * scale
-                total = _softmax_weights(weights, m, power_bits)
-                acc[:] = 0.0
-                # four keys per pass over the accumulator (a pass loads and stores every lane); the last m % 4 keys
-                # one at a time. How the sum groups depends only on m.
-                for t in range(0, m - 3, 4):
-                    p0, p1, p2, p3 = weights[t], weights[t + 1], weights[t + 2], weights[t + 3]
-                    v0, v1, v2, v3 = vf[visible[t]], vf[visible[t + 1]], vf[visible[t + 2]], vf[visible[t + 3]]
-                    for d in range(dim):
-                        acc[d] = acc[d] + p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d]
-                for t in range(m - m % 4, m):
-                    p, value = weights[t], vf[visible[t]]
-                    for d in range(dim):
-                        acc[d] += p * value[d]
-                for d in range(dim):
-                    acc[d] /= total
+                totals[row] = _softmax_weights(weights, m, power_bits)
+                for t in range(m):
+                    probs[row, visible[t]] = weights[t]
+            weighted = np.empty((count, value_width), np.float32)
+            values = kv_bits.view(np.float32)
+            for m0 in range(0, count, TILE_ROWS):
+                for d0 in range(0, value_width, LANES):
+                    _products(values, 0, d0, probs, m0, keys, weighted, m0, d0, min(TILE_ROWS, count - m0))
+            for row in range(count):
+                g, i = divmod(first + row, n)
                 h = kv * group + g
                 for d in range(dim):
-                    _store(out, r0 + i, h * dim + d, acc, d)
+                    weighted[row, d] /= totals[row]
+                    _store(out, r0 + i, h * dim + d, weighted[row], d)
 
     return kernel
 
