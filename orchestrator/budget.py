@@ -54,9 +54,11 @@ Closed loop (`observe`, called by the orchestrator after every step):
   ends when its slowest request does, so each request's tokens are weighed by its steps left relative to the slowest
   request's. Greedy goodput otherwise finishes the easy requests first and leaves the hard ones to a long, nearly
   empty tail (grounded set, cap 16: about 40% of the run's time with fewer than 16 requests running, against a
-  third for `fixed:4`). Known limit, open: on the AVX2 CPU at MT-Bench cap 16 goodput made 0.95-0.97 of `none`
-  in each of 3 rounds (`throughput_avx2.md`). Drafts that hit unevenly part the requests' finishing times, so its
-  batch drains through a tail of small steps that `none`, whose requests finish in lockstep, never runs.
+  third for `fixed:4`). Known limit: drafts that hit unevenly part the requests' finishing times, so a goodput
+  batch drains through a tail of small steps that `none`, whose requests finish in lockstep, never runs. Where
+  speculation's per-step gain is thin this tail can cost more than it gains: on the AVX2 CPU at MT-Bench cap 16
+  goodput made 0.95-0.97 of `none` in each of 3 rounds with the earlier dot-product kernels (`throughput_avx2.md`
+  at commit 91cd3dd), and 1.03 in one round once the register-blocked kernels made verifying cheaper (the file now).
 
 - per-request ceiling: at most max(4, T / b) nodes per request, T = the larger of `batch_node_ceiling` (64) and
   the roofline's free token budget (SSSD's knee: ~12 tokens on this CPU, ~295 for bf16 on an H100). The calibrated
