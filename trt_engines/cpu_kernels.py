@@ -134,8 +134,8 @@ def _tile_products(rows: int):
 
         out[out_row + r, out_col + j] = sum over k < k_dim of xf[m0 + r, k] * b[b_row + k, b_col + j]
 
-    with b a 2D array of bf16 bits (widened here) or fp32 whose rows are contiguous, xf [M, >= k_dim] fp32 and out
-    2D fp32. Written in LLVM IR because it is a register-blocked micro-kernel, which numba's arrays cannot express:
+    with b a 2D array of bf16 bits (widened here) or fp32 whose rows are contiguous, xf [M, >= k_dim] fp32, out
+    2D fp32 and k_dim >= 1 (the loop runs at least once). Written in LLVM IR because it is a register-blocked micro-kernel, which numba's arrays cannot express:
     the 2 x rows accumulators (8-float vectors) stay in registers for the whole loop over k, and per k the LANES
     values b[b_row + k, b_col:][:LANES] are loaded once, widened to fp32 and fused into every row's accumulators.
     Each output is one chain of fused multiply-adds in k order (llvm.fma, never reassociated) starting from 0, so
@@ -236,6 +236,15 @@ def _products(b, b_row, b_col, xf, m0, k_dim, out, out_row, out_col, rows):
         _products_1(b, b_row, b_col, xf, m0, k_dim, out, out_row, out_col)
 
 
+@njit(inline="always")
+def _times_tile(xf, b, b_row, b_col, k_dim, out, out_col):
+    """out[:, out_col:][:, :LANES] = xf[:, :k_dim] @ b[b_row:][:k_dim, b_col:][:, :LANES] for every row of xf, in
+    groups of up to TILE_ROWS rows (`_tile_products`)."""
+    rows = xf.shape[0]
+    for m0 in range(0, rows, TILE_ROWS):
+        _products(b, b_row, b_col, xf, m0, k_dim, out, m0, out_col, min(TILE_ROWS, rows - m0))
+
+
 @njit(parallel=True, boundscheck=False, cache=True)
 def _linear_kernel(x: np.ndarray, packed: np.ndarray, bias: np.ndarray, out: np.ndarray, tasks: int) -> None:
     """out = x w^T + bias, accumulated in fp32: x [M, K] bf16 bits, packed [N / LANES * K, LANES] the weight's
@@ -255,16 +264,14 @@ def _linear_kernel(x: np.ndarray, packed: np.ndarray, bias: np.ndarray, out: np.
             xw[m, k] = _widen(x[m, k])
     xf = xw.view(np.float32)
     for task in prange(tasks):
-        acc = np.empty((TILE_ROWS, LANES), np.float32)
+        acc = np.empty((rows, LANES), np.float32)
         for tile in range(task * tiles // tasks, (task + 1) * tiles // tasks):
             n0 = tile * LANES
-            for m0 in range(0, rows, TILE_ROWS):
-                group = min(TILE_ROWS, rows - m0)
-                _products(packed, tile * k_dim, 0, xf, m0, k_dim, acc, 0, 0, group)
-                for r in range(group):
-                    for j in range(LANES):
-                        acc[r, j] += bias[n0 + j]
-                        _store(out, m0 + r, n0 + j, acc[r], j)
+            _times_tile(xf, packed, tile * k_dim, 0, k_dim, acc, 0)
+            for m in range(rows):
+                for j in range(LANES):
+                    acc[m, j] += bias[n0 + j]
+                    _store(out, m, n0 + j, acc[m], j)
 
 
 class Bf16Linear:
@@ -282,8 +289,9 @@ class Bf16Linear:
         if pad:
             bits = np.concatenate([bits, np.zeros((pad, self.in_features), np.uint16)])
         tiles = bits.shape[0] // LANES
-        self.packed = np.ascontiguousarray(bits.reshape(tiles, LANES, self.in_features).transpose(0, 2, 1))
-        self.packed = self.packed.reshape(tiles * self.in_features, LANES)
+        # [tiles * K, LANES]: row t * K + k holds input feature k of tile t's LANES output features
+        self.packed = np.ascontiguousarray(
+            bits.reshape(tiles, LANES, self.in_features).transpose(0, 2, 1)).reshape(-1, LANES)
         self.bias = np.zeros(bits.shape[0], np.float32)
         if bias is not None:
             self.bias[: self.out_features] = bias.detach().float().numpy()
@@ -397,9 +405,8 @@ def _tree_attention_kernel(head_dim: int):
             scores = np.empty((count, keys), np.float32)
             _scores(q_bits.view(np.float32), kv_bits.view(np.float32), scores, dim)
             _gather_widened(v_pool, kv, slots, kv_bits, dim)  # the keys are done with: their buffer takes the values
-            for j in range(keys):
-                for d in range(dim, value_width):  # spare lanes of the last tile of features
-                    kv_bits[j, d] = 0
+            if value_width > dim:  # head_dim not a multiple of LANES: zero the last tile's spare lanes
+                kv_bits[:, dim:] = 0
             # each row's softmax weights over all the segment's keys, exactly 0 where it may not look: a weight-0
             # key adds exactly nothing to a chain of fused multiply-adds, so the weighted sum below equals the chain
             # over the row's visible keys alone, in slot order
@@ -426,9 +433,8 @@ def _tree_attention_kernel(head_dim: int):
                     probs[row, visible[t]] = weights[t]
             weighted = np.empty((count, value_width), np.float32)
             values = kv_bits.view(np.float32)
-            for m0 in range(0, count, TILE_ROWS):
-                for d0 in range(0, value_width, LANES):
-                    _products(values, 0, d0, probs, m0, keys, weighted, m0, d0, min(TILE_ROWS, count - m0))
+            for d0 in range(0, value_width, LANES):
+                _times_tile(probs, values, 0, d0, keys, weighted, d0)
             for row in range(count):
                 g, i = divmod(first + row, n)
                 h = kv * group + g
