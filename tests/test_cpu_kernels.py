@@ -26,11 +26,11 @@ def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
     return 2.0 ** (exponent - 7)
 
 
-@pytest.mark.parametrize("out_features, rows", [(960, 1), (576, 2), (963, 7), (64, 70), (5, 129)])
+@pytest.mark.parametrize("out_features, rows", [(960, 1), (576, 2), (500, 9), (963, 7), (64, 70), (5, 129)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_is_the_bf16_rounding_of_the_fp32_product(out_features, rows, with_bias):
-    # Rows beyond one kernel call (64), row counts that leave a partial group of six, output sizes that are not a
-    # multiple of the 16-feature tiles (padded)
+    # Rows beyond one kernel call (64), row counts that leave a partial group of six (1, 2 or 3 rows take several
+    # tiles per pass), output sizes that are not a multiple of the 16-feature tiles (padded)
     rng = np.random.default_rng(out_features + rows)
     weight, x = _bf16(rng, out_features, 576), _bf16(rng, rows, 576)
     bias = _bf16(rng, out_features) if with_bias else None
@@ -47,7 +47,7 @@ def test_linear_is_the_bf16_rounding_of_the_fp32_product(out_features, rows, wit
 @given(rows=st.integers(1, 80), position=st.integers(0, 79), seed=st.integers(0, 2**16))
 def test_linear_rows_do_not_depend_on_the_batch(rows, position, seed):
     rng = np.random.default_rng(seed)
-    linear = Bf16Linear(_bf16(rng, 96, 200))
+    linear = Bf16Linear(_bf16(rng, 520, 200))  # 33 tiles: runs of several per task, and a run of one
     row = _bf16(rng, 1, 200)
     alone = linear(row)
     batch = _bf16(rng, rows, 200)

@@ -5,9 +5,9 @@ Without AVX512-BF16 or AMX, PyTorch's bf16 matmuls on the CPU fall back to a slo
 and its batched attention matmuls likewise, so verifying a 15-node tree cost 6.6x a plain step. These kernels read
 the bf16 weights and KV cache as raw bits, widen them to fp32 in registers and accumulate in fp32 (what bf16 GEMMs
 do). Their matrix products run on one register-blocked micro-kernel (`_tile_products`, in LLVM IR: up to six rows
-times sixteen outputs per pass over the shared dimension, accumulators in registers), so a verify step's extra rows
-cost compute at close to the FMA units' rate rather than loads and horizontal sums; `verify_cost.md` has the step
-times. `TorchEngine(cpu_kernels=...)` decides where they run.
+times sixteen outputs, or one row times 64, per pass over the shared dimension, accumulators in registers), so a
+verify step's extra rows cost compute at close to the FMA units' rate rather than loads and horizontal sums;
+`verify_cost.md` has the step times. `TorchEngine(cpu_kernels=...)` decides where they run.
 
 Both are batch-invariant by construction, which is what lossless bf16 speculation needs (`torch_engine` docstring):
 
@@ -129,20 +129,23 @@ _I32x8 = ir.VectorType(ir.IntType(32), 8)
 _I16x8 = ir.VectorType(ir.IntType(16), 8)
 
 
-def _tile_products(rows: int):
-    """An intrinsic `(b, b_row, b_col, xf, m0, k_dim, out, out_row, out_col) -> None`: for r < rows, j < LANES,
+def _tile_products(rows: int, tiles: int = 1):
+    """An intrinsic `(b, b_row, b_col, b_row_step, b_col_step, xf, m0, k_dim, out, out_row, out_col) -> None`: for
+    r < rows, t < tiles, j < LANES, with tile t's weights at b_row + t * b_row_step, b_col + t * b_col_step,
 
-        out[out_row + r, out_col + j] = sum over k < k_dim of xf[m0 + r, k] * b[b_row + k, b_col + j]
+        out[out_row + r, out_col + t * LANES + j] = sum over k < k_dim of
+            xf[m0 + r, k] * b[b_row + t * b_row_step + k, b_col + t * b_col_step + j]
 
     with b a 2D array of bf16 bits (widened here) or fp32 whose rows are contiguous, xf [M, >= k_dim] fp32, out
-    2D fp32 and k_dim >= 1 (the loop runs at least once). Written in LLVM IR because it is a register-blocked micro-kernel, which numba's arrays cannot express:
-    the 2 x rows accumulators (8-float vectors) stay in registers for the whole loop over k, and per k the LANES
-    values b[b_row + k, b_col:][:LANES] are loaded once, widened to fp32 and fused into every row's accumulators.
-    Each output is one chain of fused multiply-adds in k order (llvm.fma, never reassociated) starting from 0, so
-    its bits depend only on its own row of xf and column of b, never on `rows` or on what is computed beside it;
-    a term whose xf value is 0 adds exactly nothing (for finite b)."""
+    2D fp32 and k_dim >= 1 (the loop runs at least once). Written in LLVM IR because it is a register-blocked
+    micro-kernel, which numba's arrays cannot express: the 2 x rows x tiles accumulators (8-float vectors) stay in
+    registers for the whole loop over k, and per k each tile's LANES values are loaded once, widened to fp32 and
+    fused into every row's accumulators. Each output is one chain of fused multiply-adds in k order (llvm.fma,
+    never reassociated) starting from 0, so its bits depend only on its own row of xf and column of b, never on
+    `rows`, `tiles` or what is computed beside it; a term whose xf value is 0 adds exactly nothing (for finite b).
+    Several tiles per pass are for a single row (`_times_tiles`)."""
 
-    def typer(typingctx, b, b_row, b_col, xf, m0, k_dim, out, out_row, out_col):
+    def typer(typingctx, b, b_row, b_col, b_row_step, b_col_step, xf, m0, k_dim, out, out_row, out_col):
         if not (isinstance(b, types.Array) and b.ndim == 2 and b.dtype in (types.uint16, types.float32)
                 and isinstance(xf, types.Array) and xf.ndim == 2 and xf.dtype == types.float32
                 and isinstance(out, types.Array) and out.ndim == 2 and out.dtype == types.float32):
@@ -151,12 +154,12 @@ def _tile_products(rows: int):
         stored = _I16x8 if bf16 else _F32x8
 
         def codegen(context, builder, signature, args):
-            b_type, x_type, out_type = signature.args[0], signature.args[3], signature.args[6]
+            b_type, x_type, out_type = signature.args[0], signature.args[5], signature.args[8]
             b_view = context.make_array(b_type)(context, builder, args[0])
-            x_view = context.make_array(x_type)(context, builder, args[3])
-            out_view = context.make_array(out_type)(context, builder, args[6])
-            b_row0, b_col0, m0_index, k_dim_value = args[1], args[2], args[4], args[5]
-            out_row0, out_col0 = args[7], args[8]
+            x_view = context.make_array(x_type)(context, builder, args[5])
+            out_view = context.make_array(out_type)(context, builder, args[8])
+            b_row0, b_col0, b_row_step, b_col_step = args[1], args[2], args[3], args[4]
+            m0_index, k_dim_value, out_row0, out_col0 = args[6], args[7], args[9], args[10]
             i64 = ir.IntType(64)
 
             def const(value):
@@ -166,8 +169,11 @@ def _tile_products(rows: int):
                 return cgutils.get_item_pointer(context, builder, array_type, view, [i, j], wraparound=False)
 
             x_rows = [item(x_type, x_view, builder.add(m0_index, const(r)), const(0)) for r in range(rows)]
+            tile_rows = [builder.add(b_row0, builder.mul(b_row_step, const(t))) for t in range(tiles)]
+            tile_cols = [builder.add(b_col0, builder.mul(b_col_step, const(t))) for t in range(tiles)]
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32x8, [_F32x8] * 3),
                                                  "llvm.fma.v8f32")
+            vectors = 2 * tiles  # accumulator vectors per row: vector v is tile v // 2, half v % 2
             entry = builder.block
             loop = builder.append_basic_block("tile_products.loop")
             done = builder.append_basic_block("tile_products.done")
@@ -175,82 +181,113 @@ def _tile_products(rows: int):
 
             builder.position_at_end(loop)
             k = builder.phi(i64)
-            acc = [[builder.phi(_F32x8) for _ in range(2)] for _ in range(rows)]
+            acc = [[builder.phi(_F32x8) for _ in range(vectors)] for _ in range(rows)]
             k.add_incoming(const(0), entry)
             for phi in (p for row in acc for p in row):
                 phi.add_incoming(ir.Constant(_F32x8, None), entry)  # zeros
-            b_values = []
-            for half in range(2):
-                pointer = item(b_type, b_view, builder.add(b_row0, k), builder.add(b_col0, const(8 * half)))
-                loaded = builder.load(builder.bitcast(pointer, stored.as_pointer()), align=b_type.dtype.bitwidth // 8)
-                if bf16:
-                    bits = builder.shl(builder.zext(loaded, _I32x8), ir.Constant(_I32x8, [16] * 8))
-                    loaded = builder.bitcast(bits, _F32x8)
-                b_values.append(loaded)
-            updated = []
-            for r in range(rows):
+            def broadcast(r):
                 value = builder.load(builder.gep(x_rows[r], [k]), align=4)
                 lane0 = builder.insert_element(ir.Constant(_F32x8, ir.Undefined), value, ir.Constant(ir.IntType(32), 0))
-                broadcast = builder.shuffle_vector(lane0, ir.Constant(_F32x8, ir.Undefined),
-                                                   ir.Constant(_I32x8, [0] * 8))
-                updated.append([builder.call(fma, [broadcast, b_values[h], acc[r][h]]) for h in range(2)])
+                return builder.shuffle_vector(lane0, ir.Constant(_F32x8, ir.Undefined), ir.Constant(_I32x8, [0] * 8))
+
+            def weights(v):
+                pointer = item(b_type, b_view, builder.add(tile_rows[v // 2], k),
+                               builder.add(tile_cols[v // 2], const(8 * (v % 2))))
+                loaded = builder.load(builder.bitcast(pointer, stored.as_pointer()), align=b_type.dtype.bitwidth // 8)
+                if not bf16:
+                    return loaded
+                return builder.bitcast(builder.shl(builder.zext(loaded, _I32x8), ir.Constant(_I32x8, [16] * 8)), _F32x8)
+
+            # emitted in the order that keeps the fewest vectors live besides the accumulators (LLVM keeps it): all
+            # the weights and one row's broadcast at a time, or all the broadcasts and one weight vector at a time
+            updated = [[None] * vectors for _ in range(rows)]
+            if vectors <= rows:
+                b_values = [weights(v) for v in range(vectors)]
+                for r in range(rows):
+                    x_value = broadcast(r)
+                    for v in range(vectors):
+                        updated[r][v] = builder.call(fma, [x_value, b_values[v], acc[r][v]])
+            else:
+                x_values = [broadcast(r) for r in range(rows)]
+                for v in range(vectors):
+                    b_value = weights(v)
+                    for r in range(rows):
+                        updated[r][v] = builder.call(fma, [x_values[r], b_value, acc[r][v]])
             next_k = builder.add(k, const(1))
             k.add_incoming(next_k, loop)
             for r in range(rows):
-                for h in range(2):
-                    acc[r][h].add_incoming(updated[r][h], loop)
+                for v in range(vectors):
+                    acc[r][v].add_incoming(updated[r][v], loop)
             builder.cbranch(builder.icmp_signed("<", next_k, k_dim_value), loop, done)
 
             builder.position_at_end(done)
             for r in range(rows):
-                for h in range(2):
+                for v in range(vectors):
                     target = item(out_type, out_view, builder.add(out_row0, const(r)),
-                                  builder.add(out_col0, const(8 * h)))
-                    builder.store(updated[r][h], builder.bitcast(target, _F32x8.as_pointer()), align=4)
+                                  builder.add(out_col0, const(8 * v)))
+                    builder.store(updated[r][v], builder.bitcast(target, _F32x8.as_pointer()), align=4)
             return context.get_dummy_value()
 
-        return types.void(b, b_row, b_col, xf, m0, k_dim, out, out_row, out_col), codegen
+        return types.void(b, b_row, b_col, b_row_step, b_col_step, xf, m0, k_dim, out, out_row, out_col), codegen
 
-    typer.__name__ = f"_tile_products_{rows}"
+    typer.__name__ = f"_tile_products_{rows}x{tiles}"
     return intrinsic(typer)
 
 
 _products_1, _products_2, _products_3, _products_4, _products_5, _products_6 = (
     _tile_products(rows) for rows in range(1, TILE_ROWS + 1))
+TILE_GROUP = 4  # tiles per single-row pass (`_times_tiles`): 8 independent chains, like 4 rows' worth
+_products_1x4 = _tile_products(1, TILE_GROUP)
 
 
 @njit(inline="always")
 def _products(b, b_row, b_col, xf, m0, k_dim, out, out_row, out_col, rows):
     """`_tile_products(rows)` for 1 <= rows <= TILE_ROWS (numba needs each instance named)."""
     if rows == 6:
-        _products_6(b, b_row, b_col, xf, m0, k_dim, out, out_row, out_col)
+        _products_6(b, b_row, b_col, 0, 0, xf, m0, k_dim, out, out_row, out_col)
     elif rows == 5:
-        _products_5(b, b_row, b_col, xf, m0, k_dim, out, out_row, out_col)
+        _products_5(b, b_row, b_col, 0, 0, xf, m0, k_dim, out, out_row, out_col)
     elif rows == 4:
-        _products_4(b, b_row, b_col, xf, m0, k_dim, out, out_row, out_col)
+        _products_4(b, b_row, b_col, 0, 0, xf, m0, k_dim, out, out_row, out_col)
     elif rows == 3:
-        _products_3(b, b_row, b_col, xf, m0, k_dim, out, out_row, out_col)
+        _products_3(b, b_row, b_col, 0, 0, xf, m0, k_dim, out, out_row, out_col)
     elif rows == 2:
-        _products_2(b, b_row, b_col, xf, m0, k_dim, out, out_row, out_col)
+        _products_2(b, b_row, b_col, 0, 0, xf, m0, k_dim, out, out_row, out_col)
     else:
-        _products_1(b, b_row, b_col, xf, m0, k_dim, out, out_row, out_col)
+        _products_1(b, b_row, b_col, 0, 0, xf, m0, k_dim, out, out_row, out_col)
 
 
 @njit(inline="always")
-def _times_tile(xf, b, b_row, b_col, k_dim, out, out_col):
-    """out[:, out_col:][:, :LANES] = xf[:, :k_dim] @ b[b_row:][:k_dim, b_col:][:, :LANES] for every row of xf, in
-    groups of up to TILE_ROWS rows (`_tile_products`)."""
+def _times_tiles(xf, b, b_row, b_col, b_row_step, b_col_step, tiles, k_dim, out, out_col):
+    """For t < tiles: out[:, out_col + t * LANES:][:, :LANES] = xf[:, :k_dim] @ (tile t of b: k_dim rows from
+    b_row + t * b_row_step, LANES columns from b_col + t * b_col_step), for every row of xf. Each tile meets the
+    rows in groups of up to TILE_ROWS (read from memory by the first group, from L1 by the rest); a single row
+    takes TILE_GROUP tiles per pass instead: one row's two chains would leave the FMA units waiting on each
+    fused multiply-add's latency, and four weight streams at once also read memory faster than one."""
+    if xf.shape[0] == 1:
+        t = 0
+        while t + TILE_GROUP <= tiles:
+            _products_1x4(b, b_row + t * b_row_step, b_col + t * b_col_step, b_row_step, b_col_step, xf, 0, k_dim,
+                          out, 0, out_col + t * LANES)
+            t += TILE_GROUP
+        for t in range(t, tiles):
+            _products_1(b, b_row + t * b_row_step, b_col + t * b_col_step, 0, 0, xf, 0, k_dim, out, 0,
+                        out_col + t * LANES)
+        return
     rows = xf.shape[0]
-    for m0 in range(0, rows, TILE_ROWS):
-        _products(b, b_row, b_col, xf, m0, k_dim, out, m0, out_col, min(TILE_ROWS, rows - m0))
+    for t in range(tiles):
+        for m0 in range(0, rows, TILE_ROWS):
+            _products(b, b_row + t * b_row_step, b_col + t * b_col_step, xf, m0, k_dim, out, m0,
+                      out_col + t * LANES, min(TILE_ROWS, rows - m0))
 
 
 @njit(parallel=True, boundscheck=False, cache=True)
 def _linear_kernel(x: np.ndarray, packed: np.ndarray, bias: np.ndarray, out: np.ndarray, tasks: int) -> None:
     """out = x w^T + bias, accumulated in fp32: x [M, K] bf16 bits, packed [N / LANES * K, LANES] the weight's
     bf16 bits in tiles of K rows (`Bf16Linear`), bias [N] fp32, out [M, N] bf16 bits (or fp32). `tasks` runs of
-    consecutive tiles share the threads; each tile meets the rows in groups of up to TILE_ROWS (`_tile_products`),
-    its LANES x K weights read from memory by the first group and from cache by the rest.
+    consecutive tiles share the threads; they go TILE_GROUP tiles at a time through `_times_tiles`, where each
+    tile's LANES x K weights are read from memory once and from cache by the later row groups (a single row takes
+    the TILE_GROUP tiles in one pass).
 
     Every output is one fused multiply-add chain over K in order, then + bias, then one rounding: the same bits
     whatever M is, where its row sits and which group it falls in (what makes rows batch-invariant). One or two rows
@@ -264,14 +301,18 @@ def _linear_kernel(x: np.ndarray, packed: np.ndarray, bias: np.ndarray, out: np.
             xw[m, k] = _widen(x[m, k])
     xf = xw.view(np.float32)
     for task in prange(tasks):
-        acc = np.empty((rows, LANES), np.float32)
-        for tile in range(task * tiles // tasks, (task + 1) * tiles // tasks):
-            n0 = tile * LANES
-            _times_tile(xf, packed, tile * k_dim, 0, k_dim, acc, 0)
-            for m in range(rows):
-                for j in range(LANES):
-                    acc[m, j] += bias[n0 + j]
-                    _store(out, m, n0 + j, acc[m], j)
+        acc = np.empty((rows, TILE_GROUP * LANES), np.float32)
+        end = (task + 1) * tiles // tasks
+        step = TILE_GROUP if rows == 1 else 1
+        for first in range(task * tiles // tasks, end, step):
+            group = min(step, end - first)
+            _times_tiles(xf, packed, first * k_dim, 0, k_dim, 0, group, k_dim, acc, 0)
+            for t in range(group):
+                n0 = (first + t) * LANES
+                for m in range(rows):
+                    for j in range(t * LANES, (t + 1) * LANES):
+                        acc[m, j] += bias[n0 + j - t * LANES]
+                        _store(out, m, n0 + j - t * LANES, acc[m], j)
 
 
 class Bf16Linear:
@@ -433,8 +474,7 @@ def _tree_attention_kernel(head_dim: int):
                     probs[row, visible[t]] = weights[t]
             weighted = np.empty((count, value_width), np.float32)
             values = kv_bits.view(np.float32)
-            for d0 in range(0, value_width, LANES):
-                _times_tile(probs, values, 0, d0, keys, weighted, d0)
+            _times_tiles(probs, values, 0, 0, 0, LANES, value_width // LANES, keys, weighted, 0)
             for row in range(count):
                 g, i = divmod(first + row, n)
                 h = kv * group + g
