@@ -42,7 +42,12 @@ Closed loop (`observe`, called by the orchestrator after every step):
   (both relative to the plain step): its intercept `speculation_overhead` is what any speculating step costs on top
   (tree masks, positions, an extra attention call: 3 ms of a 40 ms step at cap 4 on the CPU), its slope
   `marginal_scale` what each predicted second of extra tokens costs. A slope alone would charge that fixed overhead
-  to every node, and the smaller the trees the more (it measured 1.5-1.9 at cap 4 where nodes cost 1.15 each);
+  to every node, and the smaller the trees the more (it measured 1.5-1.9 at cap 4 where nodes cost 1.15 each).
+  Only speculating steps measure the line, so while no step speculates it forgets toward the step-time model's own
+  prediction (y = x) at a quarter of the EMA rate: a line made pessimistic by a burst of background load stopped
+  speculation for the rest of HumanEval's cap-16 group on the AVX-512 CPU (0.4 nodes per request-step, 0.78 of
+  `fixed:4`, `throughput.md` at f281b0f), and with it speculation resumes within tens of steps; where speculating
+  really costs that much, a probe every ~30 steps measures again;
 - the engine's attention layout (`StepTimeModel.attention_layout`): on an engine that pads every request of a step
   to the deepest tree, the candidate that deepens the deepest tree costs attention rows for every request, so the
   allocation spreads nodes across requests unless one request's nodes are worth that. An engine that groups
@@ -186,7 +191,7 @@ class BudgetController:
         # steps, from exponentially decayed sums [1, x, y, x^2, xy] (a ratio per step would divide timing noise by
         # the small predicted extra of a step that sends few nodes). The sums start as two pseudo-steps on the line
         # y = x (5% and 15% extra), so the first speculating steps cannot swing it far; they fade like the data.
-        self._cost_sums = np.array([1.0, 0.1, 0.1, 0.0125, 0.0125])
+        self._cost_sums = _COST_PRIOR.copy()
         self._drafted_steps = 0  # no back-off during the first steps: cold caches make the first drafts slow
 
     @property
@@ -253,6 +258,11 @@ class BudgetController:
             base = decision.no_speculation_step_s
             if decision.nodes.sum() == 0:
                 self.plain_scale = (1 - a) * self.plain_scale + a * float(np.clip(measured_s / base, 0.25, 4.0))
+                # Only speculating steps measure the cost line, so a line made pessimistic by a burst of background
+                # load would otherwise stop speculation for good: it forgets toward its prior (the step-time model,
+                # itself refit online) while no step speculates, and the next probe measures again.
+                self._cost_sums = (1 - a / 4) * self._cost_sums + a / 4 * _COST_PRIOR
+                self.speculation_overhead, self.marginal_scale = _speculation_cost_line(self._cost_sums)
             elif decision.predicted_step_s > base * 1.001:
                 x = (decision.predicted_step_s - base) / base
                 y = (measured_s - self.plain_scale * base) / base
@@ -474,6 +484,10 @@ class BudgetController:
         if tpot_s is not None and np.isfinite(tpot_s).any() and seconds > np.nanmin(tpot_s):
             return -np.inf
         return expected / (seconds + draft_s)
+
+
+# The cost line's prior, as decayed sums [1, x, y, x^2, xy]: two half-weight pseudo-steps on y = x (5% and 15% extra).
+_COST_PRIOR = np.array([1.0, 0.1, 0.1, 0.0125, 0.0125])
 
 
 def _speculation_cost_line(sums: np.ndarray) -> tuple[float, float]:

@@ -429,6 +429,35 @@ def test_a_fixed_cost_of_speculating_is_not_charged_to_every_node():
     assert with_overhead.nodes.sum() >= naive.nodes.sum() > 0
 
 
+def sent_nodes_per_step(controller: BudgetController, model: StepTimeModel, slow_steps: range, steps: int) -> list[int]:
+    """Nodes a controller sends per step on chains that barely pay, when the speculated part of the steps in
+    `slow_steps` costs 30x its prediction (background load) and every other step takes what the model predicts."""
+    context = np.full(16, 1024)
+    sent = []
+    for step in range(steps):
+        cap = controller.draft_cap(16)
+        _, d = controller.allocate(chain_trees(16, 0.15) if cap else [DraftTree.empty()] * 16, context)
+        extra = d.predicted_step_s - d.no_speculation_step_s
+        measured = d.no_speculation_step_s + (30.0 if step in slow_steps else 1.0) * extra
+        controller.observe(d, accepted=d.node_probs, draft_s=0.005 * d.no_speculation_step_s, cap=cap,
+                           measured_s=measured)
+        sent.append(int(d.nodes.sum()))
+    return sent
+
+
+def test_speculation_stopped_by_a_burst_of_slow_steps_resumes_once_steps_are_fast_again():
+    # Only speculating steps measure what speculation costs: a pessimistic estimate left by a burst must not stop
+    # speculation for the rest of the run (HumanEval at cap 16 once decoded plainly on most steps after such a burst).
+    model = h100_model()
+    sent = sent_nodes_per_step(BudgetController(BudgetPolicy.parse("goodput"), model), model, range(20, 30), 300)
+    assert all(n > 0 for n in sent[:20])
+    assert sent[25:45].count(0) >= 10  # the burst stops speculation ...
+    assert all(n > 0 for n in sent[150:])  # ... and it resumes
+    # where speculation keeps costing that much, it stays mostly off: a probe now and then measures again
+    saturated = sent_nodes_per_step(BudgetController(BudgetPolicy.parse("goodput"), model), model, range(20, 300), 300)
+    assert 0 < sum(n > 0 for n in saturated[100:]) <= 20
+
+
 def test_padded_attention_charges_every_request_for_the_deepest_tree():
     packed = StepTimeModel(LLAMA_8B, KNOWN_HARDWARE["H100-SXM"])
     padded = StepTimeModel(LLAMA_8B, KNOWN_HARDWARE["H100-SXM"], attention_layout="padded")
