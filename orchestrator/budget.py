@@ -44,10 +44,11 @@ Closed loop (`observe`, called by the orchestrator after every step):
   `marginal_scale` what each predicted second of extra tokens costs. A slope alone would charge that fixed overhead
   to every node, and the smaller the trees the more (it measured 1.5-1.9 at cap 4 where nodes cost 1.15 each).
   Only speculating steps measure the line, so while no step speculates it forgets toward the step-time model's own
-  prediction (y = x) at a quarter of the EMA rate: a line made pessimistic by a burst of background load stopped
-  speculation for the rest of HumanEval's cap-16 group on the AVX-512 CPU (0.4 nodes per request-step, 0.78 of
-  `fixed:4`, `throughput.md` at f281b0f), and with it speculation resumes within tens of steps; where speculating
-  really costs that much, a probe every ~30 steps measures again;
+  prediction (y = x) at a quarter of the EMA rate. Without that, a line made pessimistic by a burst of background
+  load stops speculation for good; the likely cause of HumanEval's cap-16 row on the AVX-512 CPU (0.4 nodes per
+  request-step, 0.78 of `fixed:4`, `throughput.md` at f281b0f; the same group served again alone made 0.94-0.96,
+  so the cause is an event, not the policy's steady state). With it speculation resumes within tens of steps, and
+  where speculating really costs that much, a probe every ~30 steps measures again;
 - the engine's attention layout (`StepTimeModel.attention_layout`): on an engine that pads every request of a step
   to the deepest tree, the candidate that deepens the deepest tree costs attention rows for every request, so the
   allocation spreads nodes across requests unless one request's nodes are worth that. An engine that groups

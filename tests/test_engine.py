@@ -175,7 +175,10 @@ def test_packed_paged_logits_match_transformers(engine):
     ours = engine.debug_logits(prompts)
     with torch.no_grad():
         for p, got in zip(prompts, ours):
-            assert (hf(torch.tensor([p])).logits[0] - got).abs().max().item() <= 1e-4
+            want = hf(torch.tensor([p])).logits[0]
+            # fp32 rounding, relative to the logits' scale (~30): on an AVX-512 CPU transformers' own sdpa and eager
+            # attention differ by up to 9e-5 here and ours by 1.3e-4; a wrong mask or position is off by whole units
+            assert (want - got).abs().max().item() <= 1e-5 * want.abs().max().item()
     assert engine.free_blocks() == NUM_BLOCKS
 
 
