@@ -46,8 +46,8 @@ Closed loop (`observe`, called by the orchestrator after every step):
   Only speculating steps measure the line, so while no step speculates it forgets toward the step-time model's own
   prediction (y = x) at a quarter of the EMA rate. Without that, a line made pessimistic by a burst of background
   load stops speculation for good; the likely cause of HumanEval's cap-16 row on the AVX-512 CPU (0.4 nodes per
-  request-step, 0.78 of `fixed:4`, `throughput.md` at f281b0f; the same group served again alone made 0.94-0.96,
-  so the cause is an event, not the policy's steady state). With it speculation resumes within tens of steps, and
+  request-step, 0.78 of `fixed:4`, `throughput.md` at f281b0f; 0.94 in the full re-run at 7641bc3, so the cause
+  was an event, not the policy's steady state). With it speculation resumes within tens of steps, and
   where speculating really costs that much, a probe every ~30 steps measures again;
 - the engine's attention layout (`StepTimeModel.attention_layout`): on an engine that pads every request of a step
   to the deepest tree, the candidate that deepens the deepest tree costs attention rows for every request, so the
@@ -263,12 +263,11 @@ class BudgetController:
                 # load would otherwise stop speculation for good: it forgets toward its prior (the step-time model,
                 # itself refit online) while no step speculates, and the next probe measures again.
                 self._cost_sums = (1 - a / 4) * self._cost_sums + a / 4 * _COST_PRIOR
-                self.speculation_overhead, self.marginal_scale = _speculation_cost_line(self._cost_sums)
             elif decision.predicted_step_s > base * 1.001:
                 x = (decision.predicted_step_s - base) / base
                 y = (measured_s - self.plain_scale * base) / base
                 self._cost_sums = (1 - a) * self._cost_sums + a * np.array([1.0, x, y, x * x, x * y])
-                self.speculation_overhead, self.marginal_scale = _speculation_cost_line(self._cost_sums)
+            self.speculation_overhead, self.marginal_scale = _speculation_cost_line(self._cost_sums)
         if cap > 0:
             self._draft_s_per_request.append(draft_s / b)
             self._gain = (1 - 2 * a) * self._gain + 2 * a * decision.gain
