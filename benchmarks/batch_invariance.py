@@ -1,11 +1,13 @@
-"""Lossless bf16 speculation on the CPU, and what it costs: the engine's three ways to verify in bf16.
+"""Lossless bf16 speculation on the CPU, and what it costs: the engine's four ways to verify in bf16.
 
     python -m benchmarks.batch_invariance        # about 30 minutes on 2 CPU cores
 
 Configurations (`TorchEngine` arguments):
 - `numba`: the numba CPU kernels (`trt_engines.cpu_kernels`), batch-invariant by construction on every branch of a
   tree; the default on CPUs without bf16 dot-product instructions;
-- `invariant`: PyTorch's kernels in batch-invariant numerics (first-child chains only); the default elsewhere;
+- `attention`: the numba attention kernel with PyTorch's linear layers (the LM head computed transposed, which
+  oneDNN keeps batch-invariant), likewise invariant on every branch; the default on CPUs with them;
+- `invariant`: PyTorch's kernels in batch-invariant numerics (first-child chains only);
 - `fused`: PyTorch's fused kernels (`batch_invariant=False`).
 
 1. Identical outputs: 32 prompts (8 spread over each prompt set's eval prompts), 128 new tokens each, served at
@@ -42,10 +44,12 @@ from trt_engines.torch_engine import TorchEngine
 
 CONFIGS = {  # name -> TorchEngine arguments
     "numba": {"cpu_kernels": "numba", "batch_invariant": True},
+    "attention": {"cpu_kernels": "attention", "batch_invariant": True},
     "invariant": {"cpu_kernels": "torch", "batch_invariant": True},
     "fused": {"cpu_kernels": "torch", "batch_invariant": False},
 }
-LABELS = {"numba": "numba kernels", "invariant": "PyTorch, batch-invariant", "fused": "PyTorch, fused"}
+LABELS = {"numba": "numba kernels", "attention": "numba attention, PyTorch linear", "invariant": "PyTorch, batch-invariant",
+          "fused": "PyTorch, fused"}
 STEP_SHAPES = ((1, 0), (4, 0), (32, 0), (1, 4), (1, 16), (4, 8))  # (batch, draft nodes per request)
 
 
@@ -92,11 +96,12 @@ def write_markdown(path: Path, result: dict) -> None:
     lines = ["# Lossless bf16 verification on the CPU: identical outputs and cost", "",
              f"Command: `{result['command']}` on {result['machine']}. Model: SmolLM2-135M-Instruct, bf16, TorchEngine.",
              f"{result['prompts']} prompts ({result['prompts'] // len(result['sets'])} spread over each of "
-             f"{', '.join(result['sets'])}; for PyTorch's configurations "
+             f"{', '.join(result['sets'])}; for the configurations with PyTorch's linear layers "
              f"{result['identity']['fused']['prompts'] // len(result['sets'])} spread over each), "
              f"{result['max_tokens']} new tokens, cap {result['cap']}. Configurations: "
              "numba kernels (`trt_engines/cpu_kernels.py`: every row attends over exactly its visible keys, in order), "
-             "PyTorch's kernels in batch-invariant numerics, PyTorch's fused kernels.", "",
+             "the numba attention kernel with PyTorch's linear layers, PyTorch's kernels in batch-invariant numerics, "
+             "PyTorch's fused kernels.", "",
              "## Outputs identical to plain decoding (`none`), token for token", "",
              "| policy | " + " | ".join(LABELS[n] for n in names) + " |", "|---" * (len(names) + 1) + "|"]
     first = result["identity"][names[0]]
@@ -127,8 +132,9 @@ def write_markdown(path: Path, result: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--per-set", type=int, default=8)
-    parser.add_argument("--per-set-torch", type=int, help="prompts per set for PyTorch's two configurations (default: "
-                        "--per-set); on a CPU without bf16 dot-product instructions their bf16 matmuls are slow")
+    parser.add_argument("--per-set-torch", type=int, help="prompts per set for the configurations with PyTorch's linear "
+                        "layers (default: --per-set); on a CPU without bf16 dot-product instructions their bf16 matmuls "
+                        "are slow")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--cap", type=int, default=8)
     parser.add_argument("--decode-steps", type=int, default=48)

@@ -57,7 +57,7 @@ def build_stack(dtype: torch.dtype, *, num_blocks: int, max_nodes: int = 64, win
     datastore = Datastore.open(default_datastore_dir())
     drafter = Drafter(DrafterConfig(max_budget=max_nodes), datastores=[datastore])
     dtype_name = "float32" if dtype == torch.float32 else "bfloat16"
-    hardware = measure_hardware("cpu", cpu_kernels=engine.cpu_kernels)  # bf16 FLOP/s of the kernels the engine runs
+    hardware = measure_hardware("cpu", cpu_kernels=engine.kernel_linears)  # bf16 FLOP/s of the kernels the engine runs
     step_model = StepTimeModel(ModelShape.from_config(resolve_model_dir("default")), hardware, dtype=dtype_name,
                                window=window, attention_layout=engine.attention_layout)
     fit_error = fit_step_model(engine, step_model)
@@ -265,7 +265,7 @@ def run(sets: list[str], caps: list[int], policies: list[str], *, prompts_per_ca
                 else None)
     return {"rows": rows, "bf16_divergences": divergences, "step_fit_error": fit_error,
             "batch_invariant": engine.batch_invariant,
-            "cpu_kernels": engine.cpu_kernels,  # numba kernels (`trt_engines.cpu_kernels`) rather than PyTorch's
+            "cpu_kernels": engine.cpu_kernels,  # where numba kernels run (`TorchEngine`): "numba", "attention" or "torch"
             "output_lengths": "reference",  # each request: its recorded trajectory's length, EOS ignored
             "prompt_sample": "spread",  # a row's prompts: `tools.trajectories.spread` over the eval set
             "interleave": "progress",  # `serve_side_by_side`: the policy furthest behind steps next (was: in turns)
@@ -358,12 +358,13 @@ def _min_shared(rows: list[dict]) -> float:
 
 def write_markdown(path: Path, result: dict) -> None:
     rows = result["rows"]
+    kernels = _kernel_mode(result)
     lines = [
         "# Offline throughput: speculation policies side by side",
         "",
         f"Command: `{result['command']}`. Model: SmolLM2-135M-Instruct, bf16, TorchEngine on {result['machine']}"
-        + (" with its numba CPU kernels, batch-invariant by construction (a token's logits do not depend on the batch "
-           "or the tree, nor on the branch it is verified on)." if result.get("cpu_kernels") else
+        + (f" with {_KERNEL_WORDS[kernels]}, batch-invariant by construction (a token's logits do not depend on the "
+           "batch or the tree, nor on the branch it is verified on)." if kernels in _KERNEL_WORDS else
            " in batch-invariant numerics (a token's logits do not depend on the batch or the tree it is verified in)."
            if result.get("batch_invariant") else "."),
         (f"Each request generates its reference length (its recorded greedy output's, at most {result['max_tokens']} "
@@ -395,7 +396,7 @@ def write_markdown(path: Path, result: dict) -> None:
         f"Losslessness (fp32, {ident['prompts']} prompts x {ident['max_tokens']} tokens, every policy vs none): "
         f"{ident['identical']}/{ident['compared']} identical." if ident else "Losslessness (fp32): not checked in this run.",
         divergence_summary(result["bf16_divergences"], result.get("batch_invariant", False),
-                           result.get("cpu_kernels", False)),
+                           _kernel_mode(result) in _KERNEL_WORDS),
         f"Step-time model: median relative error {result['step_model_median_abs_err']:.3f} over every step "
         f"(start-up fit error {result['step_fit_error']:.3f}).",
     ]
@@ -479,6 +480,16 @@ def recorded_command(argv: list[str]) -> str:
         elif not arg.startswith("--note="):
             kept.append(arg)
     return shlex.join(["python", "-m", "benchmarks.throughput", *kept])
+
+
+_KERNEL_WORDS = {"numba": "its numba CPU kernels", "attention": "its numba attention kernel and PyTorch's linear layers"}
+
+
+def _kernel_mode(result: dict) -> str:
+    """Where the run's engine ran numba kernels (`TorchEngine.cpu_kernels`); results before the "attention" mode
+    recorded a bool (True: "numba")."""
+    mode = result.get("cpu_kernels", False)
+    return {True: "numba", False: "torch"}.get(mode, mode) if isinstance(mode, bool) else mode
 
 
 def divergence_summary(divergences: list[dict], batch_invariant: bool = False, cpu_kernels: bool = False) -> str:

@@ -225,7 +225,7 @@ def _markdown(summary: dict, meta: dict, rows: list[dict], skipped: list[str]) -
            ". Without bf16 dot-product instructions (the numba kernels run) every extra token is compute-bound: "
            f"about {fmt(_ms_per_extra_token(summary))} ms each at batch 1 (2 x 135M FLOPs at the kernels' FLOP/s), "
            "against a plain step that streams the weights once"
-           if meta.get("cpu_kernels") else
+           if meta.get("cpu_kernels") in (True, "numba") else
            ". Where it is missed, the extra time is the tree path: SDPA with a mask over 9 tokens x 3 query heads "
            "per KV head instead of the mask-free single-row decode path, GEMMs of 9 rows instead of GEMVs, and the "
            "fp32 RoPE/RMSNorm on 9 rows") + ".",

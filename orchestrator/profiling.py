@@ -90,8 +90,8 @@ def measure_hardware(device: str = "cpu", *, size: int | None = None, stream_mb:
     method) and a tiny matmul's wall time as the per-step overhead, on `device` (CPU or CUDA).
 
     `size` defaults to 2048 on a CPU and 8192 on a GPU, where a 2048 matmul is too short to reach peak.
-    `cpu_kernels` (CPU): time bf16 through the engine's numba kernels (`trt_engines.cpu_kernels`, what
-    `TorchEngine.cpu_kernels` runs) instead of PyTorch's matmul; None: where "auto" would pick them."""
+    `cpu_kernels` (CPU): time bf16 through the engine's numba linear kernel (`trt_engines.cpu_kernels`, what
+    `TorchEngine.kernel_linears` runs) instead of PyTorch's matmul; None: where "auto" would pick it."""
     import torch
 
     from trt_engines.cpu_kernels import Bf16Linear, cpu_has_native_bf16

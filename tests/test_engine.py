@@ -407,12 +407,19 @@ def test_grouped_attention_answers_each_request_as_if_verified_alone(engine):
     assert engine.free_blocks() == NUM_BLOCKS
 
 
-@pytest.fixture(scope="module", params=["torch", "numba"])
+@pytest.fixture(scope="module", params=["torch", "numba", "attention"])
 def engine_bf16(request):
     from trt_engines.torch_engine import TorchEngine
 
     return TorchEngine("default", dtype=torch.bfloat16, num_blocks=NUM_BLOCKS, block_size=BLOCK, max_context=1024,
                        cpu_kernels=request.param)
+
+
+def _decoy_tree(rng: np.random.Generator, max_nodes: int = 48) -> DraftTree:
+    """Random tokens under random parents: up to `max_nodes`, so a batch often verifies more than 32 rows (where
+    oneDNN's bf16 LM head switches kernels unless computed transposed, `llama.Linear`)."""
+    n = int(rng.integers(1, max_nodes + 1))
+    return DraftTree.from_arrays(tokens=rng.integers(0, VOCAB, n), parents=[int(rng.integers(-1, i)) for i in range(n)])
 
 
 def _plain_bf16_logits(engine, rid, prompt, steps):
@@ -433,7 +440,7 @@ def _plain_bf16_logits(engine, rid, prompt, steps):
 def test_bf16_logits_do_not_depend_on_the_batch_or_the_tree(engine_bf16):
     # Batch invariance: a token's bf16 logits are bitwise those of plain decoding whether it is verified in a tree
     # (first-child chain, decoy branches after it) or next to requests of other contexts with trees of their own, so
-    # speculative decoding in bf16 emits plain decoding's text. (Both CPU paths: PyTorch's kernels in
+    # speculative decoding in bf16 emits plain decoding's text. (Every CPU path: PyTorch's kernels in
     # batch-invariant numerics, and the numba kernels.)
     engine = engine_bf16
     assert engine.batch_invariant  # the CPU default
@@ -466,7 +473,7 @@ def test_bf16_logits_do_not_depend_on_the_batch_or_the_tree(engine_bf16):
                 tokens=path + rng.integers(0, VOCAB, decoys + 1).tolist(),
                 parents=(list(range(-1, n - 1)) + [int(rng.integers(-1, n)) for _ in range(decoys)]
                          + [n - 1 if n else -1]))
-            items = [VerifyItem(rid, tree)] + [VerifyItem(oid, _tree(rng, "random", [])) if rng.random() < 0.5
+            items = [VerifyItem(rid, tree)] + [VerifyItem(oid, _decoy_tree(rng)) if rng.random() < 0.5
                                                else VerifyItem(oid, DraftTree.empty()) for oid in other_ids]
             rng.shuffle(items)
             out = {r.request_id: r for r in engine.verify(items, return_logits=True).results}
@@ -489,7 +496,7 @@ def test_bf16_kernel_logits_equal_plain_decoding_on_any_branch(engine_bf16):
     # leave the first-child chain (the true token is a later sibling, behind decoys with subtrees of their own)
     # and its logits are still bitwise plain decoding's: bf16 speculation is lossless on every branch.
     engine = engine_bf16
-    if not engine.cpu_kernels:
+    if not engine.kernel_attention:
         pytest.skip("PyTorch's kernels are batch-invariant on first-child chains only (the test above)")
     rng = np.random.default_rng(11)
     prompt, other = _prompt(rng, 120), _prompt(rng, 200)
@@ -510,11 +517,8 @@ def test_bf16_kernel_logits_equal_plain_decoding_on_any_branch(engine_bf16):
                 parents += [parent, len(toks) - 3, parent]
                 parent = len(toks) - 1
             tree = DraftTree.from_arrays(tokens=toks, parents=parents)
-            n_other = int(rng.integers(1, 8))
-            other_tree = DraftTree.from_arrays(tokens=rng.integers(0, VOCAB, n_other),
-                                               parents=[int(rng.integers(-1, i)) for i in range(n_other)])
             out = {r.request_id: r for r in engine.verify(
-                [VerifyItem(oid, other_tree), VerifyItem(rid, tree)], return_logits=True).results}
+                [VerifyItem(oid, _decoy_tree(rng)), VerifyItem(rid, tree)], return_logits=True).results}
             mine = out[rid]
             accepted = [3 * k + 2 for k in range(len(path))]
             got += [mine.logits[0]] + [mine.logits[1 + node] for node in accepted]

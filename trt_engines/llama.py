@@ -136,22 +136,40 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (xf * cos[:, None, :] + rotated * sin[:, None, :]).to(x.dtype)
 
 
+TRANSPOSED_ROWS = 255  # rows per product in `Linear.transposed`: oneDNN's W x^T keeps one kernel below 256 columns
+
+
 class Linear(nn.Linear):
     """`nn.Linear` whose output rows never depend on how many rows are computed together (batch invariance).
 
     On the CPU a one-row product runs a matrix-vector kernel whose summation order differs from the matrix-matrix
     kernel's, so in bf16 a token's hidden state can differ in the last bit between a step that decodes it alone and one
-    that verifies it with draft tokens; near-tied logits then flip and the output diverges. Every row count >= 2
-    gives bitwise the same rows (measured with oneDNN's bf16 kernels), so a single row is computed as two: the cost
+    that verifies it with draft tokens; near-tied logits then flip and the output diverges. Row counts from 2 to 32
+    give bitwise the same rows (measured with oneDNN's bf16 kernels), so a single row is computed as two: the cost
     is the same (the weights are read once either way). An engine may set `kernel` to another batch-invariant
-    implementation (`TorchEngine(cpu_kernels=...)`)."""
+    implementation (`TorchEngine(cpu_kernels=...)`).
+
+    `transposed` (what `TorchEngine` sets on the CPU in bf16): compute x W^T as (W x^T)^T, `TRANSPOSED_ROWS` rows
+    per product (a single product returns a transposed view). Past 32 rows oneDNN's bf16 x W^T switches kernels, and a
+    row then changes with the row count and its place (by one bf16 step, enough to flip a near-tie; measured on an
+    AVX-512 EPYC for every SmolLM2 layer shape, depending on the data). W x^T gave bitwise the same rows for every row
+    count from 1 to 255 and every place, for every layer shape and input scale tried, equal to x W^T's from 2 to 32
+    rows; past 255 rows the 1536-wide input (the MLP's down projection) changed kernels too, hence the row chunks. It is
+    as fast or faster (LM head: 1.3 vs 2.3 ms for 2 rows, 25 vs 43 ms for 544)."""
 
     kernel: Callable[[Tensor], Tensor] | None = None  # replaces F.linear when set (`trt_engines.cpu_kernels`)
+    transposed: bool = False
 
     def forward(self, x: Tensor) -> Tensor:
         if self.kernel is not None:
             return self.kernel(x)
-        if x.dim() == 2 and x.shape[0] == 1:
+        if x.dim() != 2:
+            return F.linear(x, self.weight, self.bias)
+        if self.transposed:
+            parts = [torch.mm(self.weight, rows.T).T for rows in x.split(TRANSPOSED_ROWS)]
+            y = parts[0] if len(parts) == 1 else torch.cat(parts)
+            return y if self.bias is None else y + self.bias
+        if x.shape[0] == 1:
             return F.linear(x.expand(2, -1), self.weight, self.bias)[:1]
         return F.linear(x, self.weight, self.bias)
 
@@ -240,7 +258,8 @@ class Transformer(nn.Module):
 
     def logits(self, hidden: Tensor) -> Tensor:
         """Final norm + LM head on the rows you need (call it on selected rows only: the head is vocab x dim)."""
-        return self.output(self.norm(hidden)).float()
+        # contiguous: the head may return a transposed view (`Linear.transposed`); one copy widens and lays it out
+        return self.output(self.norm(hidden)).to(torch.float32, memory_format=torch.contiguous_format)
 
     @classmethod
     def from_folder(cls, folder: str | Path, *, dtype: torch.dtype = torch.bfloat16, device=None) -> "Transformer":

@@ -21,20 +21,21 @@ A request may be verified again before `commit` (the temporary slots are simply 
 Batch invariance (`batch_invariant`, default for bf16 on the CPU): a token's bf16 logits come out bitwise the same
 whether it is decoded alone, verified in a tree, or batched next to other requests, so speculative decoding in bf16
 emits exactly plain decoding's text, and every policy of a benchmark decodes the same text (without it, the fused
-kernels' shape-dependent rounding flips near-tied logits and most long outputs drift from plain decoding's). Two
-implementations, measured side by side by `benchmarks/batch_invariance.py`:
+kernels' shape-dependent rounding flips near-tied logits and most long outputs drift from plain decoding's). Three
+implementations (`cpu_kernels`), measured side by side by `benchmarks/batch_invariance.py`:
 
-CPU kernels (`cpu_kernels`, `trt_engines.cpu_kernels`; "auto" picks them for bf16 on CPUs without bf16 dot-product
+CPU kernels ("numba", `trt_engines.cpu_kernels`; "auto" picks them for bf16 on CPUs without bf16 dot-product
 instructions, where PyTorch's bf16 matmuls take a slow path): numba kernels for every linear layer and for verify
-attention, batch-invariant by construction. Attention reads each request's keys in place in the paged pool (no
+attention, batch-invariant by construction. "attention" ("auto" on CPUs with those instructions, where PyTorch's
+linear layers are the fast ones) runs the numba attention with PyTorch's linear layers, computed in the form whose
+rows oneDNN keeps batch-invariant (`llama.Linear.transposed`). Attention reads each request's keys in place in the paged pool (no
 gather, no padding: `attention_layout` "packed"), and every row attends over exactly the keys it may see, in slot
 order, so a token gets plain decoding's logits on any branch of a tree, not only on first-child chains: bf16
 speculation is then lossless outright. Slots keep the tree's own order.
 
-PyTorch's kernels in batch-invariant numerics (elsewhere): on the CPU with SmolLM2-135M, 92% of the speculating
-policies' outputs equal plain decoding's (39% with the fused kernels), and plain decoding takes 3-9% longer. Three
-parts:
-- linear layers never run one row alone (`llama.Linear`);
+PyTorch's kernels in batch-invariant numerics ("torch"): on the CPU with SmolLM2-135M, 82-92% of the speculating
+policies' outputs equal plain decoding's (39-45% with the fused kernels). Three parts:
+- linear layers in their batch-invariant form (`llama.Linear`);
 - attention is two bf16 matmuls around an fp32 softmax (`_batch_invariant_attention`) instead of the fused SDPA
   kernel, whose blocking follows the call's shape;
 - tree slots are laid out depth-first (`DraftTree.depth_first_order`), so an accepted path that always takes the
@@ -289,24 +290,29 @@ class TorchEngine:
     ):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype
-        # bf16 on a CPU without bf16 dot-product instructions: PyTorch's bf16 matmuls take a slow path there, so
-        # linear layers and verify attention run numba kernels (`trt_engines.cpu_kernels`), batch-invariant by
-        # construction. "auto" picks them on such CPUs (unless batch_invariant=False asks for the fused kernels),
-        # "numba" always (bf16 on the CPU), "torch" never.
-        if cpu_kernels not in ("auto", "numba", "torch"):
-            raise ValueError(f"cpu_kernels must be 'auto', 'numba' or 'torch'; got {cpu_kernels!r}")
+        # Where bf16 verify steps run numba kernels (`trt_engines.cpu_kernels`, batch-invariant by construction):
+        # "numba", linear layers and verify attention (the fast path on CPUs without bf16 dot-product instructions,
+        # where PyTorch's bf16 matmuls are slow); "attention", verify attention only, linear layers on PyTorch's
+        # kernels (the fast path where the CPU has those instructions); "torch", neither. "auto" picks "numba" or
+        # "attention" by the CPU (unless batch_invariant=False asks for the fused kernels).
+        if cpu_kernels not in ("auto", "numba", "attention", "torch"):
+            raise ValueError(f"cpu_kernels must be 'auto', 'numba', 'attention' or 'torch'; got {cpu_kernels!r}")
         kernels_apply = self.device.type == "cpu" and dtype == torch.bfloat16
-        if cpu_kernels == "numba" and not kernels_apply:
-            raise ValueError(f"cpu_kernels='numba' runs bf16 models on the CPU; this engine is {dtype} on {self.device}")
-        self.cpu_kernels = kernels_apply and (
-            cpu_kernels == "numba"
-            or (cpu_kernels == "auto" and batch_invariant is not False and not cpu_has_native_bf16()))
+        if cpu_kernels in ("numba", "attention") and not kernels_apply:
+            raise ValueError(f"cpu_kernels={cpu_kernels!r} runs bf16 models on the CPU; this engine is {dtype} on "
+                             f"{self.device}")
+        if cpu_kernels == "auto":
+            cpu_kernels = ("torch" if not kernels_apply or batch_invariant is False else
+                           "attention" if cpu_has_native_bf16() else "numba")
+        self.cpu_kernels: str = cpu_kernels  # "numba", "attention" or "torch", as resolved
+        self.kernel_linears = cpu_kernels == "numba"
+        self.kernel_attention = cpu_kernels in ("numba", "attention")
         # Verify steps in batch-invariant numerics (module docstring): the default for bf16 on the CPU, where it was
         # measured to hold. fp32 matmuls (MKL) round rows differently by row count, so there it would only cost, and
         # fp32 rarely needs it (near-ties close enough to flip are rare); CUDA keeps the fused SDPA kernels.
         if batch_invariant is None:
             batch_invariant = self.device.type == "cpu" and dtype == torch.bfloat16
-        if self.cpu_kernels and not batch_invariant:
+        if self.kernel_attention and not batch_invariant:
             raise ValueError("the CPU kernels are batch-invariant by construction: pass cpu_kernels='torch' with "
                              "batch_invariant=False")
         self.batch_invariant = bool(batch_invariant)
@@ -330,11 +336,16 @@ class TorchEngine:
         )
         self._requests: dict[object, _Request] = {}
         self._pool_bits: list[tuple[np.ndarray, np.ndarray]] = []
-        if self.cpu_kernels:
-            self.attention_layout = "packed"
+        if self.kernel_linears:
             for module in self.model.modules():
                 if isinstance(module, Linear):
                     module.kernel = Bf16Linear(module.weight, module.bias)
+        elif self.batch_invariant and self.device.type == "cpu":
+            for module in self.model.modules():
+                if isinstance(module, Linear):
+                    module.transposed = True  # the form whose rows oneDNN keeps batch-invariant (`Linear`)
+        if self.kernel_attention:
+            self.attention_layout = "packed"
             self._pool_bits = [(bf16_bits(self.kv.flat(layer, 0)), bf16_bits(self.kv.flat(layer, 1)))
                                for layer in range(args.n_layers)]
 
@@ -443,7 +454,7 @@ class TorchEngine:
             self.kv.ensure(item.request_id, req.ctx_len + len(tree) + 1)
             # Slots in depth-first order (`DraftTree.depth_first_order`): an accepted path that follows first children
             # has its keys at the positions plain decoding gives them, so batch-invariant numerics hold for it.
-            order = tree.depth_first_order() if self.batch_invariant and not self.cpu_kernels else None
+            order = tree.depth_first_order() if self.batch_invariant and not self.kernel_attention else None
             if order is not None and np.array_equal(order, np.arange(len(tree))):
                 order = None  # chains and most small trees are laid out that way already
             if order is not None:
@@ -588,7 +599,7 @@ class TorchEngine:
         policy computes them identically, and a long prompt's scores would not fit in memory as one matrix)."""
         tokens = torch.as_tensor(np.concatenate([s.tokens for s in segments]), device=self.device)
         positions = torch.as_tensor(np.concatenate([s.positions for s in segments]), device=self.device)
-        if batch_invariant and self.cpu_kernels:
+        if batch_invariant and self.kernel_attention:
             attention = _KernelAttention(self.kv, segments, self._pool_bits, device=self.device)
         else:
             attention = _PagedAttention(self.kv, segments, group=self.args.group_size, dtype=self.dtype,

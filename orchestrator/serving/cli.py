@@ -18,9 +18,10 @@ def _config_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model-name", default="retrospec", help="the model name clients send (OpenAI `model`)")
     g.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    g.add_argument("--cpu-kernels", default="auto", choices=("auto", "numba", "torch"),
-                   help="bf16 on the CPU: numba kernels (batch-invariant on every tree branch) or PyTorch's; auto: "
-                   "numba where the CPU lacks bf16 dot-product instructions")
+    g.add_argument("--cpu-kernels", default="auto", choices=("auto", "numba", "attention", "torch"),
+                   help="bf16 on the CPU: numba kernels (batch-invariant on every tree branch) for linear layers and "
+                   "attention, for attention only, or none; auto: numba where the CPU lacks bf16 dot-product "
+                   "instructions, attention where it has them")
     g.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks (default: 8 full contexts)")
     g.add_argument("--max-context", type=int, default=2048)
     g.add_argument("--datastore", action="append", default=None,

@@ -56,7 +56,7 @@ class ServingConfig:
     hardware: str = "measure"
     fit_step_model: bool = True  # a few seconds of verify steps at start-up to fit this engine's constants
     torch_threads: int | None = None
-    cpu_kernels: str = "auto"  # bf16 on the CPU: TorchEngine's numba kernels ("auto": where it lacks bf16 instructions)
+    cpu_kernels: str = "auto"  # bf16 on the CPU: where TorchEngine runs its numba kernels (its `cpu_kernels`)
     max_body_bytes: int = 1 << 20  # HTTP bodies above this are refused with 413
     draft_idle_timeout_s: float = 300.0  # retrospec_draft sessions without a call for this long are released
     draft_timeout_s: float | None = None  # a drafting call slower than this makes its step plain decoding
@@ -65,8 +65,8 @@ class ServingConfig:
         BudgetPolicy.parse(self.policy)  # raises a clear ValueError on a typo
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16; got {self.dtype!r}")
-        if self.cpu_kernels not in ("auto", "numba", "torch"):
-            raise ValueError(f"cpu_kernels must be auto, numba or torch; got {self.cpu_kernels!r}")
+        if self.cpu_kernels not in ("auto", "numba", "attention", "torch"):
+            raise ValueError(f"cpu_kernels must be auto, numba, attention or torch; got {self.cpu_kernels!r}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024; got {self.max_body_bytes}")
         if self.draft_idle_timeout_s <= 0:
@@ -126,7 +126,7 @@ class ServingStack:
             from orchestrator.profiling import measure_hardware
 
             spec = measure_hardware(engine.device.type, stream_mb=128, repeats=3,
-                                    cpu_kernels=getattr(engine, "cpu_kernels", False))
+                                    cpu_kernels=getattr(engine, "kernel_linears", False))
         elif config.hardware == "nominal":
             spec = NOMINAL_CPU
         else:
