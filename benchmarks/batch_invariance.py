@@ -66,7 +66,7 @@ def step_cost(prompts: list[np.ndarray], shapes, steps: int) -> list[dict]:
     rows = []
     for b, nodes in shapes:
         seconds = dict.fromkeys(engines, 0.0)
-        group = prompts[:b]
+        group = [prompts[i % len(prompts)] for i in range(b)]  # fewer prompts than the batch: reuse them
         for engine in engines.values():
             for i, p in enumerate(group):
                 engine.add_request(i, [int(t) for t in p])

@@ -195,14 +195,14 @@ def first_divergence_gap(engine, prompt: np.ndarray, reference: list[int], other
 
 
 def run(sets: list[str], caps: list[int], policies: list[str], *, prompts_per_cap, max_tokens: int,
-        identity_prompts: int, rounds: int = 1) -> dict:
+        identity_prompts: int, rounds: int = 1, cpu_kernels: str = "auto") -> dict:
     """Every (set, cap) serves its prompts with all policies side by side (`serve_side_by_side`), `rounds` times;
     a row reports its fastest round."""
     torch.set_num_threads(os.cpu_count() or 2)
     # Every policy holds its own `cap` requests at once: room for all of them (prompt + output + the largest tree).
     longest = max(len(t.prompt_ids) for name in sets for t in load_trajectories(trajectory_path(name, "eval")))
     num_blocks = len(policies) * max(caps) * -(-(longest + max_tokens + 65) // 16) + 64
-    engine, drafter, step_model, fit_error = build_stack(torch.bfloat16, num_blocks=num_blocks)
+    engine, drafter, step_model, fit_error = build_stack(torch.bfloat16, num_blocks=num_blocks, cpu_kernels=cpu_kernels)
     initial_coefficients = step_model.coefficients.tolist()
     rows, divergences, all_errors, prefills, group_fits, all_samples = [], [], [], [], [], []
     outputs: dict[str, np.ndarray] = {}
@@ -439,6 +439,10 @@ def replace_groups(name: str, new: dict, *, command: str, note: str | None) -> d
     if old.get("interleave", "turns") != new.get("interleave", "turns"):
         raise SystemExit(f"--replace-groups: {path.name} interleaved its policies another way "
                          f"({old.get('interleave', 'turns')}); rerun the whole benchmark")
+    if _kernel_mode(old) != _kernel_mode(new):
+        raise SystemExit(f"--replace-groups: {path.name} ran its engine with cpu_kernels {_kernel_mode(old)!r}; pass "
+                         f"--cpu-kernels {_kernel_mode(old)}")
+
     def shape(result: dict, g: tuple) -> list:
         return sorted((r["policy"], r["prompts"]) for r in result["rows"] if (r["set"], r["cap"]) == g)
 
@@ -533,6 +537,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(its other groups, fp32 identity check and run-wide fits stay; the file records the "
                         "replacement): for groups whose first measurement overlapped other work on the machine")
     parser.add_argument("--note", help="with --replace-groups: why the groups were re-measured (recorded)")
+    parser.add_argument("--cpu-kernels", default="auto", choices=("auto", "numba", "attention", "torch"),
+                        help="where the bf16 engine runs numba kernels (`TorchEngine`); auto: by the CPU")
     args = parser.parse_args(argv)
     if args.quick:
         args.sets, args.caps = ["grounded", "mtbench"], [1, 4]
@@ -549,7 +555,8 @@ def main(argv: list[str] | None = None) -> int:
         BudgetPolicy.parse(policy)  # fail fast on a typo
     started = time.perf_counter()
     result = run(args.sets, args.caps, args.policies, prompts_per_cap=prompts_per_cap, max_tokens=args.max_tokens,
-                 identity_prompts=0 if args.replace_groups else args.identity_prompts, rounds=args.rounds)
+                 identity_prompts=0 if args.replace_groups else args.identity_prompts, rounds=args.rounds,
+                 cpu_kernels=args.cpu_kernels)
     command = recorded_command(argv if argv is not None else sys.argv[1:])
     result["max_tokens"] = args.max_tokens
     result["seconds"] = round(time.perf_counter() - started, 1)

@@ -74,6 +74,12 @@ def test_replacing_a_group_the_file_never_measured_is_refused_and_changes_nothin
         throughput.replace_groups("throughput", {**new, "rows": [_row("a", 1, "none", 9.0)],
                                                  "interleave": "progress"}, command="c", note=None)
     assert (tmp_path / "throughput.json").read_text() == before
+    numba_file = json.dumps({**json.loads(before), "cpu_kernels": True})  # older files: a bool (True: "numba")
+    (tmp_path / "throughput.json").write_text(numba_file)
+    with pytest.raises(SystemExit, match="--cpu-kernels numba"):  # another engine would measure something else
+        throughput.replace_groups("throughput", {**new, "rows": [_row("a", 1, "none", 9.0)],
+                                                 "cpu_kernels": "attention"}, command="c", note=None)
+    assert (tmp_path / "throughput.json").read_text() == numba_file
 
 
 def test_the_recorded_command_leaves_the_note_out():

@@ -28,10 +28,10 @@ CPU kernels ("numba", `trt_engines.cpu_kernels`; "auto" picks them for bf16 on C
 instructions, where PyTorch's bf16 matmuls take a slow path): numba kernels for every linear layer and for verify
 attention, batch-invariant by construction. "attention" ("auto" on CPUs with those instructions, where PyTorch's
 linear layers are the fast ones) runs the numba attention with PyTorch's linear layers, computed in the form whose
-rows oneDNN keeps batch-invariant (`llama.Linear.transposed`). Attention reads each request's keys in place in the paged pool (no
-gather, no padding: `attention_layout` "packed"), and every row attends over exactly the keys it may see, in slot
-order, so a token gets plain decoding's logits on any branch of a tree, not only on first-child chains: bf16
-speculation is then lossless outright. Slots keep the tree's own order.
+rows oneDNN keeps batch-invariant (`llama.Linear.transposed`). Attention reads each request's keys in place in the
+paged pool (no gather, no padding: `attention_layout` "packed"), and every row attends over exactly the keys it may
+see, in slot order, so a token gets plain decoding's logits on any branch of a tree, not only on first-child chains:
+bf16 speculation is then lossless outright. Slots keep the tree's own order.
 
 PyTorch's kernels in batch-invariant numerics ("torch"): on the CPU with SmolLM2-135M, 82-92% of the speculating
 policies' outputs equal plain decoding's (39-45% with the fused kernels). Three parts:
