@@ -34,7 +34,7 @@ see, in slot order, so a token gets plain decoding's logits on any branch of a t
 bf16 speculation is then lossless outright. Slots keep the tree's own order.
 
 PyTorch's kernels in batch-invariant numerics ("torch"): on the CPU with SmolLM2-135M, 82-92% of the speculating
-policies' outputs equal plain decoding's (39-45% with the fused kernels). Three parts:
+policies' outputs equal plain decoding's (39-60% with the fused kernels). Three parts:
 - linear layers in their batch-invariant form (`llama.Linear`);
 - attention is two bf16 matmuls around an fp32 softmax (`_batch_invariant_attention`) instead of the fused SDPA
   kernel, whose blocking follows the call's shape;
