@@ -5,8 +5,8 @@
 Configurations (`TorchEngine` arguments):
 - `numba`: the numba CPU kernels (`trt_engines.cpu_kernels`), batch-invariant by construction on every branch of a
   tree; the default on CPUs without bf16 dot-product instructions;
-- `attention`: the numba attention kernel with PyTorch's linear layers (the LM head computed transposed, which
-  oneDNN keeps batch-invariant), likewise invariant on every branch; the default on CPUs with them;
+- `attention`: the numba attention kernel with PyTorch's linear layers (in the form whose rows oneDNN keeps
+  batch-invariant, `llama.Linear.transposed`), likewise invariant on every branch; the default on CPUs with them;
 - `invariant`: PyTorch's kernels in batch-invariant numerics (first-child chains only);
 - `fused`: PyTorch's fused kernels (`batch_invariant=False`).
 

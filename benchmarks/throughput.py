@@ -43,6 +43,7 @@ from orchestrator.request import GenerationRequest
 from orchestrator.roofline import FEATURES, ModelShape, StepTimeModel, nonnegative_lstsq
 from tools.prompt_sets import PROMPT_SETS
 from tools.trajectories import load_trajectories, spread, trajectory_path
+from trt_engines.base import CPU_KERNEL_CHOICES
 from trt_engines.cpu_kernels import cpu_description
 from trt_engines.prepare import resolve_model_dir
 from trt_engines.torch_engine import TorchEngine
@@ -537,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(its other groups, fp32 identity check and run-wide fits stay; the file records the "
                         "replacement): for groups whose first measurement overlapped other work on the machine")
     parser.add_argument("--note", help="with --replace-groups: why the groups were re-measured (recorded)")
-    parser.add_argument("--cpu-kernels", default="auto", choices=("auto", "numba", "attention", "torch"),
+    parser.add_argument("--cpu-kernels", default="auto", choices=CPU_KERNEL_CHOICES,
                         help="where the bf16 engine runs numba kernels (`TorchEngine`); auto: by the CPU")
     args = parser.parse_args(argv)
     if args.quick:

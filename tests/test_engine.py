@@ -417,7 +417,7 @@ def engine_bf16(request):
 
 def _decoy_tree(rng: np.random.Generator, max_nodes: int = 48) -> DraftTree:
     """Random tokens under random parents: up to `max_nodes`, so a batch often verifies more than 32 rows (where
-    oneDNN's bf16 LM head switches kernels unless computed transposed, `llama.Linear`)."""
+    oneDNN's bf16 x W^T switches kernels: `llama.Linear.transposed`)."""
     n = int(rng.integers(1, max_nodes + 1))
     return DraftTree.from_arrays(tokens=rng.integers(0, VOCAB, n), parents=[int(rng.integers(-1, i)) for i in range(n)])
 
@@ -441,7 +441,7 @@ def test_bf16_logits_do_not_depend_on_the_batch_or_the_tree(engine_bf16):
     # Batch invariance: a token's bf16 logits are bitwise those of plain decoding whether it is verified in a tree
     # (first-child chain, decoy branches after it) or next to requests of other contexts with trees of their own, so
     # speculative decoding in bf16 emits plain decoding's text. (Every CPU path: PyTorch's kernels in
-    # batch-invariant numerics, and the numba kernels.)
+    # batch-invariant numerics, the numba kernels, and the numba attention with PyTorch's linear layers.)
     engine = engine_bf16
     assert engine.batch_invariant  # the CPU default
     rng = np.random.default_rng(3)

@@ -42,6 +42,11 @@ class KVCacheFullError(RequestError):
     """Not enough free KV blocks for this request right now; retry after other requests are released."""
 
 
+# Where `TorchEngine` runs bf16 on the CPU through its numba kernels (`trt_engines.cpu_kernels`): linear layers and
+# attention, attention only, or neither; "auto" picks by the CPU (`TorchEngine`).
+CPU_KERNEL_CHOICES = ("auto", "numba", "attention", "torch")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How a request picks target tokens. temperature 0 = greedy (argmax); otherwise softmax(logits / temperature)

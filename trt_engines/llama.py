@@ -155,7 +155,8 @@ class Linear(nn.Linear):
     AVX-512 EPYC for every SmolLM2 layer shape, depending on the data). W x^T gave bitwise the same rows for every row
     count from 1 to 255 and every place, for every layer shape and input scale tried, equal to x W^T's from 2 to 32
     rows; past 255 rows the 1536-wide input (the MLP's down projection) changed kernels too, hence the row chunks. It is
-    as fast or faster (LM head: 1.3 vs 2.3 ms for 2 rows, 25 vs 43 ms for 544)."""
+    as fast or faster below 256 rows (one-off timings on that CPU, LM head: 1.3 vs 2.3 ms for 2 rows, 25 vs 43 ms for
+    544 unchunked; whole verify steps: `benchmarks/results/batch_invariance.md`)."""
 
     kernel: Callable[[Tensor], Tensor] | None = None  # replaces F.linear when set (`trt_engines.cpu_kernels`)
     transposed: bool = False

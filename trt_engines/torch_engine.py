@@ -60,6 +60,7 @@ from torch import Tensor
 
 from drafter.tree import DraftTree, InvalidTreeError
 from trt_engines.base import (
+    CPU_KERNEL_CHOICES,
     KVCacheFullError,
     RequestError,
     SamplingParams,
@@ -295,7 +296,7 @@ class TorchEngine:
         # where PyTorch's bf16 matmuls are slow); "attention", verify attention only, linear layers on PyTorch's
         # kernels (the fast path where the CPU has those instructions); "torch", neither. "auto" picks "numba" or
         # "attention" by the CPU (unless batch_invariant=False asks for the fused kernels).
-        if cpu_kernels not in ("auto", "numba", "attention", "torch"):
+        if cpu_kernels not in CPU_KERNEL_CHOICES:
             raise ValueError(f"cpu_kernels must be 'auto', 'numba', 'attention' or 'torch'; got {cpu_kernels!r}")
         kernels_apply = self.device.type == "cpu" and dtype == torch.bfloat16
         if cpu_kernels in ("numba", "attention") and not kernels_apply:
@@ -305,8 +306,6 @@ class TorchEngine:
             cpu_kernels = ("torch" if not kernels_apply or batch_invariant is False else
                            "attention" if cpu_has_native_bf16() else "numba")
         self.cpu_kernels: str = cpu_kernels  # "numba", "attention" or "torch", as resolved
-        self.kernel_linears = cpu_kernels == "numba"
-        self.kernel_attention = cpu_kernels in ("numba", "attention")
         # Verify steps in batch-invariant numerics (module docstring): the default for bf16 on the CPU, where it was
         # measured to hold. fp32 matmuls (MKL) round rows differently by row count, so there it would only cost, and
         # fp32 rarely needs it (near-ties close enough to flip are rare); CUDA keeps the fused SDPA kernels.
@@ -348,6 +347,16 @@ class TorchEngine:
             self.attention_layout = "packed"
             self._pool_bits = [(bf16_bits(self.kv.flat(layer, 0)), bf16_bits(self.kv.flat(layer, 1)))
                                for layer in range(args.n_layers)]
+
+    @property
+    def kernel_linears(self) -> bool:
+        """Linear layers run the numba kernel (`cpu_kernels` "numba")."""
+        return self.cpu_kernels == "numba"
+
+    @property
+    def kernel_attention(self) -> bool:
+        """Verify attention runs the numba kernel (`cpu_kernels` "numba" or "attention")."""
+        return self.cpu_kernels in ("numba", "attention")
 
     # ---- capacity -------------------------------------------------------------------------------------------
 

@@ -11,6 +11,8 @@ import signal
 import threading
 from collections.abc import Sequence
 
+from trt_engines.base import CPU_KERNEL_CHOICES
+
 
 def _config_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model and scheduling")
@@ -18,7 +20,7 @@ def _config_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model-name", default="retrospec", help="the model name clients send (OpenAI `model`)")
     g.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    g.add_argument("--cpu-kernels", default="auto", choices=("auto", "numba", "attention", "torch"),
+    g.add_argument("--cpu-kernels", default="auto", choices=CPU_KERNEL_CHOICES,
                    help="bf16 on the CPU: numba kernels (batch-invariant on every tree branch) for linear layers and "
                    "attention, for attention only, or none; auto: numba where the CPU lacks bf16 dot-product "
                    "instructions, attention where it has them")
