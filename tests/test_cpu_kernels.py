@@ -4,6 +4,12 @@ invariance by construction (property tests), and bad input. The engine-level tes
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import numba
 import numpy as np
 import pytest
@@ -152,6 +158,47 @@ def test_tree_attention_row_equals_plain_decoding_of_its_path(parents, context, 
                                TreeAttentionLayout([(0, context + len(path) - 1, plain_slots, np.ones((1, 1), bool))]),
                                fp32_out=True)
         assert torch.equal(batched[i], alone[0]), f"row {i} (path {path.tolist()})"
+
+
+_OUTPUTS_AT_A_WIDTH = textwrap.dedent("""
+    import sys
+    import numpy as np, torch
+    from trt_engines.cpu_kernels import VECTOR_FLOATS, Bf16Linear, TreeAttentionLayout, bf16_bits, tree_attention
+    rng = np.random.default_rng(11)
+    bf16 = lambda *shape: torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).bfloat16()
+    linear = Bf16Linear(bf16(100, 576), bf16(100))  # 100 features: a padded tile at either width
+    outs = [linear(bf16(rows, 576), fp32_out=True) for rows in (1, 2, 7, 70)]
+    k, v = bf16(2, 64, 40), bf16(2, 64, 40)  # head_dim 40: the values' last tile is part padding
+    mask = np.tril(np.ones((5, 5), bool))
+    outs.append(tree_attention(bf16(5, 6, 40), bf16_bits(k), bf16_bits(v),
+                               TreeAttentionLayout([(0, 20, rng.permutation(64)[:25], mask)]), fp32_out=True))
+    np.savez(sys.argv[1], width=VECTOR_FLOATS, *[o.numpy() for o in outs])
+""")
+
+
+def test_outputs_do_not_depend_on_the_vector_width(tmp_path):
+    # The micro-kernel works in 8- or 16-float vectors (AVX2 / AVX-512, `VECTOR_FLOATS`); every output is the same
+    # chain of fused multiply-adds either way, so the bits are the same (LLVM splits 16-float vectors into two on
+    # AVX2, so both widths run on any x86 CPU). Separate processes: the width is fixed at import.
+    results = []
+    for width in ("8", "16"):
+        env = {**os.environ, "RETROSPEC_CPU_VECTOR_FLOATS": width}
+        path = tmp_path / f"width{width}.npz"
+        subprocess.run([sys.executable, "-c", _OUTPUTS_AT_A_WIDTH, str(path)], env=env, check=True,
+                       cwd=Path(__file__).resolve().parents[1], timeout=600)
+        results.append(np.load(path))
+    assert [int(r["width"]) for r in results] == [8, 16]
+    names = [n for n in results[0].files if n != "width"]
+    assert len(names) == 5
+    for name in names:
+        assert np.array_equal(results[0][name], results[1][name]), name
+
+
+def test_a_bad_vector_width_override_is_refused():
+    env = {**os.environ, "RETROSPEC_CPU_VECTOR_FLOATS": "12"}
+    done = subprocess.run([sys.executable, "-c", "import trt_engines.cpu_kernels"], env=env, capture_output=True,
+                          text=True, cwd=Path(__file__).resolve().parents[1], timeout=300)
+    assert done.returncode != 0 and "RETROSPEC_CPU_VECTOR_FLOATS must be 8 or 16; got '12'" in done.stderr
 
 
 def test_bad_input_is_refused():

@@ -5,7 +5,8 @@ Without AVX512-BF16 or AMX, PyTorch's bf16 matmuls on the CPU fall back to a slo
 and its batched attention matmuls likewise, so verifying a 15-node tree cost 6.6x a plain step. These kernels read
 the bf16 weights and KV cache as raw bits, widen them to fp32 in registers and accumulate in fp32 (what bf16 GEMMs
 do). Their matrix products run on one register-blocked micro-kernel (`_tile_products`, in LLVM IR: up to six rows
-times sixteen outputs, or one row times 64, per pass over the shared dimension, accumulators in registers), so a
+times 2 x `VECTOR_FLOATS` outputs, or one row times four times that, per pass over the shared dimension, accumulators
+in registers; 8-float vectors on AVX2, 16 on AVX-512, the same bits either way), so a
 verify step's extra rows cost compute at close to the FMA units' rate rather than loads and horizontal sums;
 `verify_cost.md` has the step times. `TorchEngine(cpu_kernels=...)` decides where they run.
 
@@ -46,8 +47,25 @@ from torch import Tensor
 # contraction fuses multiply-adds. Neither depends on the data or on the batch, so results stay batch-invariant
 # (attention's sums over keys run over each row's own key list, so there too the split depends only on that list).
 _FASTMATH = {"reassoc", "contract", "nsz"}
-LANES = 16  # output features per packed weight tile: two 8-float vectors (AVX2 registers)
-TILE_ROWS = 6  # input rows per micro-kernel call: 12 accumulators + 2 weights + 1 broadcast fill AVX2's 16 registers
+
+
+def _vector_floats() -> int:
+    """fp32 lanes per vector the matrix-product micro-kernel works in: 16 (zmm) where PyTorch finds AVX-512, else 8
+    (ymm). `RETROSPEC_CPU_VECTOR_FLOATS` (8 or 16) overrides it, for tests and comparisons. Bits do not depend on it:
+    each output is the same chain of fused multiply-adds whatever vector it sits in."""
+    chosen = os.environ.get("RETROSPEC_CPU_VECTOR_FLOATS")
+    if chosen is not None:
+        if chosen not in ("8", "16"):
+            raise ValueError(f"RETROSPEC_CPU_VECTOR_FLOATS must be 8 or 16; got {chosen!r}")
+        return int(chosen)
+    return 16 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 8
+
+
+VECTOR_FLOATS = _vector_floats()
+# numba's on-disk cache is keyed by the CPU, not by module constants: an overridden width compiles afresh, uncached
+_CACHE = "RETROSPEC_CPU_VECTOR_FLOATS" not in os.environ
+LANES = 2 * VECTOR_FLOATS  # output features per packed weight tile: two vectors
+TILE_ROWS = 6  # input rows per micro-kernel call: 12 accumulators + 2 weights + 1 broadcast fit AVX2's 16 registers
 _ROW_CHUNK = 64  # input rows per kernel call: a chunk of widened rows stays in L2 while every weight tile streams past
 _TASKS_PER_THREAD = 4  # runs of weight tiles per thread and `_linear_kernel` call: balanced however they split
 
@@ -124,9 +142,9 @@ def _dot_2x4(xa, xb, w0, w1, w2, w3, n):
     return a0, a1, a2, a3, b0, b1, b2, b3
 
 
-_F32x8 = ir.VectorType(ir.FloatType(), 8)
-_I32x8 = ir.VectorType(ir.IntType(32), 8)
-_I16x8 = ir.VectorType(ir.IntType(16), 8)
+_F32xV = ir.VectorType(ir.FloatType(), VECTOR_FLOATS)
+_I32xV = ir.VectorType(ir.IntType(32), VECTOR_FLOATS)
+_I16xV = ir.VectorType(ir.IntType(16), VECTOR_FLOATS)
 
 
 def _tile_products(rows: int, tiles: int = 1):
@@ -138,7 +156,7 @@ def _tile_products(rows: int, tiles: int = 1):
 
     with b a 2D array of bf16 bits (widened here) or fp32 whose rows are contiguous, xf [M, >= k_dim] fp32, out
     2D fp32 and k_dim >= 1 (the loop runs at least once). Written in LLVM IR because it is a register-blocked
-    micro-kernel, which numba's arrays cannot express: the 2 x rows x tiles accumulators (8-float vectors) stay in
+    micro-kernel, which numba's arrays cannot express: the 2 x rows x tiles accumulators (VECTOR_FLOATS-float vectors) stay in
     registers for the whole loop over k, and per k each tile's LANES values are loaded once, widened to fp32 and
     fused into every row's accumulators. Each output is one chain of fused multiply-adds in k order (llvm.fma,
     never reassociated) starting from 0, so its bits depend only on its own row of xf and column of b, never on
@@ -151,7 +169,7 @@ def _tile_products(rows: int, tiles: int = 1):
                 and isinstance(out, types.Array) and out.ndim == 2 and out.dtype == types.float32):
             return None
         bf16 = b.dtype == types.uint16
-        stored = _I16x8 if bf16 else _F32x8
+        stored = _I16xV if bf16 else _F32xV
 
         def codegen(context, builder, signature, args):
             b_type, x_type, out_type = signature.args[0], signature.args[5], signature.args[8]
@@ -171,8 +189,8 @@ def _tile_products(rows: int, tiles: int = 1):
             x_rows = [item(x_type, x_view, builder.add(m0_index, const(r)), const(0)) for r in range(rows)]
             tile_rows = [builder.add(b_row0, builder.mul(b_row_step, const(t))) for t in range(tiles)]
             tile_cols = [builder.add(b_col0, builder.mul(b_col_step, const(t))) for t in range(tiles)]
-            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32x8, [_F32x8] * 3),
-                                                 "llvm.fma.v8f32")
+            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32xV, [_F32xV] * 3),
+                                                 f"llvm.fma.v{VECTOR_FLOATS}f32")
             vectors = 2 * tiles  # accumulator vectors per row: vector v is tile v // 2, half v % 2
             entry = builder.block
             loop = builder.append_basic_block("tile_products.loop")
@@ -181,22 +199,22 @@ def _tile_products(rows: int, tiles: int = 1):
 
             builder.position_at_end(loop)
             k = builder.phi(i64)
-            acc = [[builder.phi(_F32x8) for _ in range(vectors)] for _ in range(rows)]
+            acc = [[builder.phi(_F32xV) for _ in range(vectors)] for _ in range(rows)]
             k.add_incoming(const(0), entry)
             for phi in (p for row in acc for p in row):
-                phi.add_incoming(ir.Constant(_F32x8, None), entry)  # zeros
+                phi.add_incoming(ir.Constant(_F32xV, None), entry)  # zeros
             def broadcast(r):
                 value = builder.load(builder.gep(x_rows[r], [k]), align=4)
-                lane0 = builder.insert_element(ir.Constant(_F32x8, ir.Undefined), value, ir.Constant(ir.IntType(32), 0))
-                return builder.shuffle_vector(lane0, ir.Constant(_F32x8, ir.Undefined), ir.Constant(_I32x8, [0] * 8))
+                lane0 = builder.insert_element(ir.Constant(_F32xV, ir.Undefined), value, ir.Constant(ir.IntType(32), 0))
+                return builder.shuffle_vector(lane0, ir.Constant(_F32xV, ir.Undefined), ir.Constant(_I32xV, [0] * VECTOR_FLOATS))
 
             def weights(v):
                 pointer = item(b_type, b_view, builder.add(tile_rows[v // 2], k),
-                               builder.add(tile_cols[v // 2], const(8 * (v % 2))))
+                               builder.add(tile_cols[v // 2], const(VECTOR_FLOATS * (v % 2))))
                 loaded = builder.load(builder.bitcast(pointer, stored.as_pointer()), align=b_type.dtype.bitwidth // 8)
                 if not bf16:
                     return loaded
-                return builder.bitcast(builder.shl(builder.zext(loaded, _I32x8), ir.Constant(_I32x8, [16] * 8)), _F32x8)
+                return builder.bitcast(builder.shl(builder.zext(loaded, _I32xV), ir.Constant(_I32xV, [16] * VECTOR_FLOATS)), _F32xV)
 
             # emitted in the order that keeps the fewest vectors live besides the accumulators (LLVM keeps it): all
             # the weights and one row's broadcast at a time, or all the broadcasts and one weight vector at a time
@@ -224,8 +242,8 @@ def _tile_products(rows: int, tiles: int = 1):
             for r in range(rows):
                 for v in range(vectors):
                     target = item(out_type, out_view, builder.add(out_row0, const(r)),
-                                  builder.add(out_col0, const(8 * v)))
-                    builder.store(updated[r][v], builder.bitcast(target, _F32x8.as_pointer()), align=4)
+                                  builder.add(out_col0, const(VECTOR_FLOATS * v)))
+                    builder.store(updated[r][v], builder.bitcast(target, _F32xV.as_pointer()), align=4)
             return context.get_dummy_value()
 
         return types.void(b, b_row, b_col, b_row_step, b_col_step, xf, m0, k_dim, out, out_row, out_col), codegen
@@ -281,7 +299,7 @@ def _times_tiles(xf, b, b_row, b_col, b_row_step, b_col_step, tiles, k_dim, out,
                       out_col + t * LANES, min(TILE_ROWS, rows - m0))
 
 
-@njit(parallel=True, boundscheck=False, cache=True)
+@njit(parallel=True, boundscheck=False, cache=_CACHE)
 def _linear_kernel(x: np.ndarray, packed: np.ndarray, bias: np.ndarray, out: np.ndarray, tasks: int) -> None:
     """out = x w^T + bias, accumulated in fp32: x [M, K] bf16 bits, packed [N / LANES * K, LANES] the weight's
     bf16 bits in tiles of K rows (`Bf16Linear`), bias [N] fp32, out [M, N] bf16 bits (or fp32). `tasks` runs of
@@ -417,7 +435,7 @@ def _softmax_weights(weights, m, power_bits):
 def _tree_attention_kernel(head_dim: int):
     """The attention kernel compiled for one head_dim: a constant there, so the loops over it unroll."""
 
-    @njit(parallel=True, fastmath=_FASTMATH, boundscheck=False, cache=True)
+    @njit(parallel=True, fastmath=_FASTMATH, boundscheck=False, cache=_CACHE)
     def kernel(q, k_pool, v_pool, row_start, rows, ctx, key_start, key_slots, mask_start, mask,
                task_segment, task_kv, task_first, task_rows, group, scale, out):
         """softmax(q k^T * scale) v for every query row, over its visible keys only (module docstring). A task is

@@ -150,7 +150,9 @@ class Linear(nn.Linear):
     implementation (`TorchEngine(cpu_kernels=...)`).
 
     `transposed` (what `TorchEngine` sets on the CPU in bf16): compute x W^T as (W x^T)^T, `TRANSPOSED_ROWS` rows
-    per product (a single product returns a transposed view). Past 32 rows oneDNN's bf16 x W^T switches kernels, and a
+    per product (a single product returns a transposed view). A single row goes in as two copies of itself: one
+    column takes oneDNN's matrix-vector path, 1.5-2.5x slower than two (one-off timings, LM head 3.5 vs 1.5 ms) and
+    bitwise the same. Past 32 rows oneDNN's bf16 x W^T switches kernels, and a
     row then changes with the row count and its place (by one bf16 step, enough to flip a near-tie; measured on an
     AVX-512 EPYC for every SmolLM2 layer shape, depending on the data). W x^T gave bitwise the same rows for every row
     count from 1 to 255 and every place, for every layer shape and input scale tried, equal to x W^T's from 2 to 32
@@ -167,6 +169,9 @@ class Linear(nn.Linear):
         if x.dim() != 2:
             return F.linear(x, self.weight, self.bias)
         if self.transposed:
+            if x.shape[0] == 1:  # one column takes oneDNN's slower matrix-vector path (same bits as two)
+                y = torch.mm(self.weight, x.expand(2, -1).T).T[:1]
+                return y if self.bias is None else y + self.bias
             parts = [torch.mm(self.weight, rows.T).T for rows in x.split(TRANSPOSED_ROWS)]
             y = parts[0] if len(parts) == 1 else torch.cat(parts)
             return y if self.bias is None else y + self.bias
