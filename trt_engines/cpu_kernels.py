@@ -377,6 +377,7 @@ _LN2_HI, _LN2_LO = np.float32(0.693359375), np.float32(-2.12194440e-4)
 _EXP_POLY = tuple(np.float32(c) for c in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
                                           1.6666665459e-1, 5.0000001201e-1))
 _EXP_FLOOR = np.float32(-87.0)  # below it exp underflows to (nearly) 0 and 2^n would leave the normal range
+_MAX_LANES = 16  # running maxima in the softmax (`_softmax_weights`)
 _ROWS_PER_TASK = 16  # query rows (tokens x heads of a KV group) per task of `_tree_attention_kernel`
 _KEY_TILE = 4  # keys per step of the score loop (times two query rows: eight dot products at once)
 
@@ -412,8 +413,16 @@ def _softmax_weights(weights, m, power_bits):
     """weights[:m] <- exp(weights[:m] - max) in place (Cephes' expf, above; 0 below `_EXP_FLOOR`); returns their sum.
     `power_bits`: uint32 scratch [>= m] for the 2^k factors."""
     p0, p1, p2, p3, p4, p5 = _EXP_POLY
+    # the max in _MAX_LANES independent lanes (a max is exact in any order; one running max would not vectorise)
+    tops = np.full(_MAX_LANES, -np.inf, np.float32)
+    whole = m - m % _MAX_LANES
+    for t0 in range(0, whole, _MAX_LANES):
+        for lane in range(_MAX_LANES):
+            tops[lane] = max(tops[lane], weights[t0 + lane])
     top = np.float32(-np.inf)
-    for t in range(m):
+    for lane in range(_MAX_LANES):
+        top = max(top, tops[lane])
+    for t in range(whole, m):
         top = max(top, weights[t])
     for t in range(m):
         x = weights[t] - top
@@ -480,15 +489,18 @@ def _tree_attention_kernel(head_dim: int):
                 # token that is exactly the key list plain decoding of its path sees, so everything below, which
                 # depends only on that list (its length fixes how the softmax's sums split into vector lanes),
                 # matches plain decoding bitwise.
+                for t in range(c):  # the context: contiguous, so these copies vectorise
+                    weights[t] = scores[row, t] * scale
                 m = c
                 for j in range(n):
                     if mask[mask_start[s] + i * n + j]:
                         visible[m] = c + j
+                        weights[m] = scores[row, c + j] * scale
                         m += 1
-                for t in range(m):
-                    weights[t] = scores[row, visible[t]] * scale
                 totals[row] = _softmax_weights(weights, m, power_bits)
-                for t in range(m):
+                for t in range(c):
+                    probs[row, t] = weights[t]
+                for t in range(c, m):
                     probs[row, visible[t]] = weights[t]
             weighted = np.empty((count, value_width), np.float32)
             values = kv_bits.view(np.float32)
