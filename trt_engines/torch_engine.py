@@ -604,8 +604,9 @@ class TorchEngine:
         return arr.astype(np.int64)
 
     def _forward(self, segments: Sequence[_Segment], *, batch_invariant: bool = False) -> Tensor:
-        """Hidden states of the packed `segments`. Prefills keep the fused SDPA (they run one request alone, so every
-        policy computes them identically, and a long prompt's scores would not fit in memory as one matrix)."""
+        """Hidden states of the packed `segments`. Prefills keep the fused SDPA and oneDNN's x W^T linear layers (they
+        run one request alone, so every policy computes them identically, and a long prompt's scores would not fit in
+        memory as one matrix)."""
         tokens = torch.as_tensor(np.concatenate([s.tokens for s in segments]), device=self.device)
         positions = torch.as_tensor(np.concatenate([s.positions for s in segments]), device=self.device)
         if batch_invariant and self.kernel_attention:
@@ -613,7 +614,7 @@ class TorchEngine:
         else:
             attention = _PagedAttention(self.kv, segments, group=self.args.group_size, dtype=self.dtype,
                                         device=self.device, batch_invariant=batch_invariant)
-        return self.model(tokens, positions, attention)
+        return self.model(tokens, positions, attention, invariant_rows=batch_invariant)
 
     def _sample(self, segments: Sequence[_Segment], logits: Tensor) -> list[np.ndarray]:
         """Target tokens per segment from fp32 `logits` [tokens, vocab]: one argmax over all rows when every request
