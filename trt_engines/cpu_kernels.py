@@ -156,8 +156,8 @@ def _tile_products(rows: int, tiles: int = 1):
 
     with b a 2D array of bf16 bits (widened here) or fp32 whose rows are contiguous, xf [M, >= k_dim] fp32, out
     2D fp32 and k_dim >= 1 (the loop runs at least once). Written in LLVM IR because it is a register-blocked
-    micro-kernel, which numba's arrays cannot express: the 2 x rows x tiles accumulators (VECTOR_FLOATS-float vectors) stay in
-    registers for the whole loop over k, and per k each tile's LANES values are loaded once, widened to fp32 and
+    micro-kernel, which numba's arrays cannot express: the 2 x rows x tiles accumulators (vectors of VECTOR_FLOATS)
+    stay in registers for the whole loop over k, and per k each tile's LANES values are loaded once, widened to fp32 and
     fused into every row's accumulators. Each output is one chain of fused multiply-adds in k order (llvm.fma,
     never reassociated) starting from 0, so its bits depend only on its own row of xf and column of b, never on
     `rows`, `tiles` or what is computed beside it; a term whose xf value is 0 adds exactly nothing (for finite b).
@@ -205,8 +205,9 @@ def _tile_products(rows: int, tiles: int = 1):
                 phi.add_incoming(ir.Constant(_F32xV, None), entry)  # zeros
             def broadcast(r):
                 value = builder.load(builder.gep(x_rows[r], [k]), align=4)
-                lane0 = builder.insert_element(ir.Constant(_F32xV, ir.Undefined), value, ir.Constant(ir.IntType(32), 0))
-                return builder.shuffle_vector(lane0, ir.Constant(_F32xV, ir.Undefined), ir.Constant(_I32xV, [0] * VECTOR_FLOATS))
+                undefined = ir.Constant(_F32xV, ir.Undefined)
+                lane0 = builder.insert_element(undefined, value, ir.Constant(ir.IntType(32), 0))
+                return builder.shuffle_vector(lane0, undefined, ir.Constant(_I32xV, [0] * VECTOR_FLOATS))
 
             def weights(v):
                 pointer = item(b_type, b_view, builder.add(tile_rows[v // 2], k),
@@ -214,7 +215,8 @@ def _tile_products(rows: int, tiles: int = 1):
                 loaded = builder.load(builder.bitcast(pointer, stored.as_pointer()), align=b_type.dtype.bitwidth // 8)
                 if not bf16:
                     return loaded
-                return builder.bitcast(builder.shl(builder.zext(loaded, _I32xV), ir.Constant(_I32xV, [16] * VECTOR_FLOATS)), _F32xV)
+                widened = builder.shl(builder.zext(loaded, _I32xV), ir.Constant(_I32xV, [16] * VECTOR_FLOATS))
+                return builder.bitcast(widened, _F32xV)
 
             # emitted in the order that keeps the fewest vectors live besides the accumulators (LLVM keeps it): all
             # the weights and one row's broadcast at a time, or all the broadcasts and one weight vector at a time

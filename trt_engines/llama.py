@@ -171,11 +171,10 @@ class Linear(nn.Linear):
         if x.dim() != 2:
             return F.linear(x, self.weight, self.bias)
         if self.transposed and invariant_rows:
-            if x.shape[0] == 1:  # one column takes oneDNN's slower matrix-vector path (same bits as two)
-                y = torch.mm(self.weight, x.expand(2, -1).T).T[:1]
-                return y if self.bias is None else y + self.bias
-            parts = [torch.mm(self.weight, rows.T).T for rows in x.split(TRANSPOSED_ROWS)]
-            y = parts[0] if len(parts) == 1 else torch.cat(parts)
+            # a single row goes in twice: one column would take oneDNN's slower matrix-vector path (same bits)
+            columns = x.expand(2, -1) if x.shape[0] == 1 else x
+            parts = [torch.mm(self.weight, rows.T).T for rows in columns.split(TRANSPOSED_ROWS)]
+            y = (parts[0] if len(parts) == 1 else torch.cat(parts))[: x.shape[0]]
             return y if self.bias is None else y + self.bias
         if x.shape[0] == 1:
             return F.linear(x.expand(2, -1), self.weight, self.bias)[:1]
