@@ -47,6 +47,12 @@ class KVCacheFullError(RequestError):
 CPU_KERNEL_CHOICES = ("auto", "numba", "attention", "torch")
 
 
+def check_cpu_kernels(value: str) -> None:
+    """A ValueError that lists CPU_KERNEL_CHOICES unless `value` is one of them."""
+    if value not in CPU_KERNEL_CHOICES:
+        raise ValueError(f"cpu_kernels must be one of {', '.join(CPU_KERNEL_CHOICES)}; got {value!r}")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How a request picks target tokens. temperature 0 = greedy (argmax); otherwise softmax(logits / temperature)

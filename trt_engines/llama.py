@@ -154,7 +154,7 @@ class Linear(nn.Linear):
     column takes oneDNN's matrix-vector path, 1.5-2.5x slower than two (one-off timings, LM head 3.5 vs 1.5 ms) and
     bitwise the same. Past 32 rows oneDNN's bf16 x W^T switches kernels, and a
     row then changes with the row count and its place (by one bf16 step, enough to flip a near-tie; measured on an
-    AVX-512 EPYC for every SmolLM2 layer shape, depending on the data). W x^T gave bitwise the same rows for every row
+    AVX-512 CPU with bf16 dot products for every SmolLM2 layer shape, depending on the data). W x^T gave bitwise the same rows for every row
     count from 1 to 255 and every place, for every layer shape and input scale tried, equal to x W^T's from 2 to 32
     rows; past 255 rows the 1536-wide input (the MLP's down projection) changed kernels too, hence the row chunks. It is
     as fast or faster below 256 rows (one-off timings on that CPU, LM head: 1.3 vs 2.3 ms for 2 rows, 25 vs 43 ms for

@@ -60,13 +60,13 @@ from torch import Tensor
 
 from drafter.tree import DraftTree, InvalidTreeError
 from trt_engines.base import (
-    CPU_KERNEL_CHOICES,
     KVCacheFullError,
     RequestError,
     SamplingParams,
     VerifyItem,
     VerifyOutput,
     VerifyResult,
+    check_cpu_kernels,
     check_new_request,
 )
 from trt_engines.attention_groups import plan_attention_groups
@@ -296,8 +296,7 @@ class TorchEngine:
         # where PyTorch's bf16 matmuls are slow); "attention", verify attention only, linear layers on PyTorch's
         # kernels (the fast path where the CPU has those instructions); "torch", neither. "auto" picks "numba" or
         # "attention" by the CPU (unless batch_invariant=False asks for the fused kernels).
-        if cpu_kernels not in CPU_KERNEL_CHOICES:
-            raise ValueError(f"cpu_kernels must be 'auto', 'numba', 'attention' or 'torch'; got {cpu_kernels!r}")
+        check_cpu_kernels(cpu_kernels)
         kernels_apply = self.device.type == "cpu" and dtype == torch.bfloat16
         if cpu_kernels in ("numba", "attention") and not kernels_apply:
             raise ValueError(f"cpu_kernels={cpu_kernels!r} runs bf16 models on the CPU; this engine is {dtype} on "

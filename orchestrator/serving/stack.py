@@ -30,7 +30,7 @@ from orchestrator.request import GenerationRequest, RequestOutput
 from orchestrator.roofline import HardwareSpec, ModelShape, StepTimeModel, hardware
 from orchestrator.runner import OrchestratorRunner
 from orchestrator.serving.metrics import ServingMetrics
-from trt_engines.base import CPU_KERNEL_CHOICES, SamplingParams
+from trt_engines.base import SamplingParams, check_cpu_kernels
 
 # A deliberately rough CPU roofline for when no profile is wanted (tests): the online refit corrects it.
 NOMINAL_CPU = HardwareSpec("nominal-cpu", {"float32": 1e11, "bfloat16": 3e11}, mem_bandwidth=2e10, overhead_s=5e-3)
@@ -65,8 +65,7 @@ class ServingConfig:
         BudgetPolicy.parse(self.policy)  # raises a clear ValueError on a typo
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16; got {self.dtype!r}")
-        if self.cpu_kernels not in CPU_KERNEL_CHOICES:
-            raise ValueError(f"cpu_kernels must be auto, numba, attention or torch; got {self.cpu_kernels!r}")
+        check_cpu_kernels(self.cpu_kernels)
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024; got {self.max_body_bytes}")
         if self.draft_idle_timeout_s <= 0:
