@@ -1,4 +1,6 @@
-"""CPU kernels for bf16 models on processors without bf16 dot-product instructions (numba).
+"""CPU kernels for bf16 models (numba): batch-invariant linear layers for processors without bf16 dot-product
+instructions, and batch-invariant tree attention for every CPU (`TorchEngine(cpu_kernels=...)`: "numba" runs both,
+"attention", the default where the CPU has those instructions, runs the attention with PyTorch's linear layers).
 
 Without AVX512-BF16 or AMX, PyTorch's bf16 matmuls on the CPU fall back to a slow path: on a 2-core AVX2 EPYC a
 16-row bf16 linear layer ran at ~16 GFLOP/s (one of SmolLM2's MLP projections: 3.5 ms for 16 rows, 0.47 ms for 2),
