@@ -409,8 +409,13 @@ def test_grouped_attention_answers_each_request_as_if_verified_alone(engine):
 
 @pytest.fixture(scope="module", params=["torch", "numba", "attention"])
 def engine_bf16(request):
+    from trt_engines.cpu_kernels import cpu_has_native_bf16
     from trt_engines.torch_engine import TorchEngine
 
+    if request.param != "numba" and not cpu_has_native_bf16():
+        pytest.skip("PyTorch's bf16 linear layers are batch-invariant only where the CPU has bf16 dot-product "
+                    "instructions: on an AVX2 EPYC (Zen 3) these tests failed for 'torch' and 'attention' (logits "
+                    "0.125-0.25 apart), at 767cd5d as at 1613baf; there 'auto' runs the numba kernels")
     return TorchEngine("default", dtype=torch.bfloat16, num_blocks=NUM_BLOCKS, block_size=BLOCK, max_context=1024,
                        cpu_kernels=request.param)
 

@@ -172,7 +172,7 @@ class Linear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         if self.transposed and invariant_rows:
             # a single row goes in twice: one column would take oneDNN's slower matrix-vector path (same bits)
-            columns = x.expand(2, -1) if x.shape[0] == 1 else x
+            columns = x.repeat(2, 1) if x.shape[0] == 1 else x
             parts = [torch.mm(self.weight, rows.T).T for rows in columns.split(TRANSPOSED_ROWS)]
             y = (parts[0] if len(parts) == 1 else torch.cat(parts))[: x.shape[0]]
             return y if self.bias is None else y + self.bias

@@ -31,7 +31,10 @@ linear layers are the fast ones) runs the numba attention with PyTorch's linear 
 rows oneDNN keeps batch-invariant (`llama.Linear.transposed`). Attention reads each request's keys in place in the
 paged pool (no gather, no padding: `attention_layout` "packed"), and every row attends over exactly the keys it may
 see, in slot order, so a token gets plain decoding's logits on any branch of a tree, not only on first-child chains:
-bf16 speculation is then lossless outright. Slots keep the tree's own order.
+bf16 speculation is then lossless outright. Slots keep the tree's own order. Without bf16 dot-product instructions
+PyTorch's bf16 linear layers are not batch-invariant even in that form (on an AVX2 EPYC, "attention" and "torch"
+gave logits 0.125-0.25 apart between plain decoding and tree steps; the engine tests skip them there): only "numba",
+what "auto" picks there, is.
 
 PyTorch's kernels in batch-invariant numerics ("torch"): on the CPU with SmolLM2-135M, 82-92% of the speculating
 policies' outputs equal plain decoding's (39-60% with the fused kernels). Three parts:
