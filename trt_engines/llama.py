@@ -171,7 +171,8 @@ class Linear(nn.Linear):
         if x.dim() != 2:
             return F.linear(x, self.weight, self.bias)
         if self.transposed and invariant_rows:
-            # a single row goes in twice: one column would take oneDNN's slower matrix-vector path (same bits)
+            # a single row goes in as a two-row copy: one column would take oneDNN's slower matrix-vector path (same
+            # bits), and a stride-0 expand got other bits than a two-row product on AVX2
             columns = x.repeat(2, 1) if x.shape[0] == 1 else x
             parts = [torch.mm(self.weight, rows.T).T for rows in columns.split(TRANSPOSED_ROWS)]
             y = (parts[0] if len(parts) == 1 else torch.cat(parts))[: x.shape[0]]
