@@ -420,6 +420,26 @@ def engine_bf16(request):
                        cpu_kernels=request.param)
 
 
+def test_pytorch_bf16_kernels_warn_where_they_are_not_batch_invariant():
+    # On CPUs without bf16 dot-product instructions PyTorch's bf16 linear layers part rows by batch (the fixture
+    # above skips them there): asking for them with batch invariance warns; "numba" never does.
+    import warnings
+
+    from trt_engines.cpu_kernels import cpu_has_native_bf16
+    from trt_engines.llama import Transformer
+    from trt_engines.torch_engine import TorchEngine
+
+    tiny = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 256}
+    model = Transformer.random(tiny, dtype=torch.bfloat16)
+    for kernels in ("torch", "attention", "numba"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            TorchEngine(model, dtype=torch.bfloat16, num_blocks=8, cpu_kernels=kernels)
+        warned = any("not batch-invariant" in str(w.message) for w in caught)
+        assert warned == (kernels != "numba" and not cpu_has_native_bf16()), kernels
+
+
 def _decoy_tree(rng: np.random.Generator, max_nodes: int = 48) -> DraftTree:
     """Random tokens under random parents: up to `max_nodes`, so a batch often verifies more than 32 rows (where
     oneDNN's bf16 x W^T switches kernels: `llama.Linear.transposed`)."""

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import KeysView
 from dataclasses import dataclass
 from typing import Sequence
@@ -317,6 +318,10 @@ class TorchEngine:
             raise ValueError("the CPU kernels are batch-invariant by construction: pass cpu_kernels='torch' with "
                              "batch_invariant=False")
         self.batch_invariant = bool(batch_invariant)
+        if self.batch_invariant and kernels_apply and cpu_kernels != "numba" and not cpu_has_native_bf16():
+            warnings.warn(f"cpu_kernels={cpu_kernels!r}: without bf16 dot-product instructions PyTorch's bf16 linear "
+                          "layers are not batch-invariant (module docstring), so bf16 speculation may part from plain "
+                          "decoding at near-ties; cpu_kernels='numba' (the default on this CPU) is", stacklevel=2)
         if isinstance(model, Transformer):  # an already built model (e.g. `Transformer.random` for timing studies)
             self.model = model
         else:
