@@ -109,39 +109,23 @@ def _round_bf16(bits: np.uint32) -> np.uint16:
     return np.uint16((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
 
 
-def _store_run(out, i, j, values, bits, start, count):  # pragma: no cover - replaced by the overload inside numba
-    """out[i, j:j + count] = values[start:start + count] (fp32 scratch, `bits` its uint32 view): as bf16 bits when
-    `out` is uint16, else as fp32. One loop over contiguous lanes, so it vectorises (`_store` goes element by
-    element)."""
+def _store_run(out, i, j, values, start, count):  # pragma: no cover - replaced by the overload inside numba
+    """out[i, j:j + count] = values[start:start + count] (a contiguous fp32 scratch row): as bf16 bits when `out` is
+    uint16, else as fp32. One loop over contiguous lanes, so it vectorises."""
 
 
 @overload(_store_run, inline="always")
-def _store_run_overload(out, i, j, values, bits, start, count):
+def _store_run_overload(out, i, j, values, start, count):
     if out.dtype == types.uint16:
-        def store_bf16(out, i, j, values, bits, start, count):
+        def store_bf16(out, i, j, values, start, count):
+            bits = values.view(np.uint32)
             for c in range(count):
                 out[i, j + c] = _round_bf16(bits[start + c])
         return store_bf16
 
-    def store_fp32(out, i, j, values, bits, start, count):
+    def store_fp32(out, i, j, values, start, count):
         for c in range(count):
             out[i, j + c] = values[start + c]
-    return store_fp32
-
-
-def _store(out, i, j, values, index):  # pragma: no cover - replaced by the overload inside numba
-    """out[i, j] = values[index] (an fp32 scratch array): as bf16 bits when `out` is uint16, else as fp32."""
-
-
-@overload(_store, inline="always")
-def _store_overload(out, i, j, values, index):
-    if out.dtype == types.uint16:
-        def store_bf16(out, i, j, values, index):
-            out[i, j] = _round_bf16(values.view(np.uint32)[index])
-        return store_bf16
-
-    def store_fp32(out, i, j, values, index):
-        out[i, j] = values[index]
     return store_fp32
 
 
@@ -344,7 +328,6 @@ def _linear_kernel(x: np.ndarray, packed: np.ndarray, bias: np.ndarray, out: np.
     xf = xw.view(np.float32)
     for task in prange(tasks):
         acc = np.empty((rows, TILE_GROUP * LANES), np.float32)
-        acc_bits = acc.view(np.uint32)
         end = (task + 1) * tiles // tasks
         step = TILE_GROUP if rows == 1 else 1
         for first in range(task * tiles // tasks, end, step):
@@ -355,7 +338,7 @@ def _linear_kernel(x: np.ndarray, packed: np.ndarray, bias: np.ndarray, out: np.
                 for m in range(rows):
                     for j in range(LANES):
                         acc[m, t * LANES + j] += bias[n0 + j]
-                    _store_run(out, m, n0, acc[m], acc_bits[m], t * LANES, LANES)
+                    _store_run(out, m, n0, acc[m], t * LANES, LANES)
 
 
 class Bf16Linear:
@@ -535,7 +518,7 @@ def _tree_attention_kernel(head_dim: int):
                 h = kv * group + g
                 for d in range(dim):
                     weighted[row, d] /= totals[row]
-                    _store(out, r0 + i, h * dim + d, weighted[row], d)
+                _store_run(out, r0 + i, h * dim, weighted[row], 0, dim)
 
     return kernel
 
