@@ -369,13 +369,16 @@ class Bf16Linear:
             raise TypeError(f"Bf16Linear takes bf16 inputs; got {x.dtype}")
         if x.ndim != 2 or x.shape[1] != self.in_features:
             raise ValueError(f"Bf16Linear expects x [T, {self.in_features}]; got shape {tuple(x.shape)}")
-        xb = bf16_bits(x.detach().contiguous())
+        out = self.bits(bf16_bits(x.detach().contiguous()), fp32_out=fp32_out)
+        return torch.from_numpy(out) if fp32_out else torch.from_numpy(out).view(torch.bfloat16)
+
+    def bits(self, xb: np.ndarray, *, fp32_out: bool = False) -> np.ndarray:
+        """`__call__` on bf16 bits: xb [T, K] uint16 -> [T, N] uint16 (a view when N is padded)."""
         out = np.empty((xb.shape[0], self.bias.shape[0]), np.float32 if fp32_out else np.uint16)
         tasks = min(self.bias.shape[0] // LANES, numba.get_num_threads() * _TASKS_PER_THREAD)
         for start in range(0, xb.shape[0], _ROW_CHUNK):
             _linear_kernel(xb[start:start + _ROW_CHUNK], self.packed, self.bias, out[start:start + _ROW_CHUNK], tasks)
-        result = torch.from_numpy(out) if fp32_out else torch.from_numpy(out).view(torch.bfloat16)
-        return result if out.shape[1] == self.out_features else result[:, : self.out_features]
+        return out if out.shape[1] == self.out_features else out[:, : self.out_features]
 
 
 # exp(x) for x <= 0 (Cephes' expf: x = n ln2 + r, a degree-7 polynomial in r, times 2^n): within 1 ulp of the C
@@ -527,13 +530,20 @@ def tree_attention(q: Tensor, k_pool: np.ndarray, v_pool: np.ndarray, layout: "T
                    fp32_out: bool = False) -> Tensor:
     """Attention of packed bf16 queries q [T, H, D] over one layer's paged bf16 K/V (bits); [T, H * D] bf16
     (`fp32_out`: before the final rounding, for tests)."""
+    out = tree_attention_bits(bf16_bits(q.detach().contiguous()), k_pool, v_pool, layout, fp32_out=fp32_out)
+    return torch.from_numpy(out) if fp32_out else torch.from_numpy(out).view(torch.bfloat16)
+
+
+def tree_attention_bits(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, layout: "TreeAttentionLayout", *,
+                        fp32_out: bool = False) -> np.ndarray:
+    """`tree_attention` on bf16 bits: q [T, H, D] uint16 -> [T, H * D] uint16."""
     T, H, D = q.shape
     out = np.empty((T, H * D), np.float32 if fp32_out else np.uint16)
     tasks = layout.tasks(k_pool.shape[0], H // k_pool.shape[0])
-    _tree_attention_kernel(D)(bf16_bits(q.detach().contiguous()), k_pool, v_pool, layout.row_start, layout.rows,
-                              layout.ctx, layout.key_start, layout.key_slots, layout.mask_start, layout.mask, *tasks,
-                              H // k_pool.shape[0], np.float32(D ** -0.5), out)
-    return torch.from_numpy(out) if fp32_out else torch.from_numpy(out).view(torch.bfloat16)
+    _tree_attention_kernel(D)(q, k_pool, v_pool, layout.row_start, layout.rows, layout.ctx, layout.key_start,
+                              layout.key_slots, layout.mask_start, layout.mask, *tasks, H // k_pool.shape[0],
+                              np.float32(D ** -0.5), out)
+    return out
 
 
 class TreeAttentionLayout:

@@ -74,6 +74,7 @@ from trt_engines.base import (
     check_new_request,
 )
 from trt_engines.attention_groups import plan_attention_groups
+from trt_engines.cpu_forward import FusedCpuDecoder
 from trt_engines.cpu_kernels import Bf16Linear, TreeAttentionLayout, bf16_bits, cpu_has_native_bf16, tree_attention
 from trt_engines.kv_cache import PagedKVCache
 from trt_engines.llama import Linear, Transformer
@@ -235,7 +236,8 @@ class _KernelAttention:
         lens = [len(s.tokens) for s in segments]
         offsets = np.concatenate([[0], np.cumsum(lens)[:-1]])
         keys = [cache.flat_slots(s.request_id, 0, s.ctx_len + n) for s, n in zip(segments, lens)]
-        self.write = torch.as_tensor(np.concatenate([k[s.ctx_len:] for s, k in zip(segments, keys)]), device=device)
+        self.write_slots = np.concatenate([k[s.ctx_len:] for s, k in zip(segments, keys)])
+        self.write = torch.as_tensor(self.write_slots, device=device)
         self.layout = TreeAttentionLayout([(int(o), s.ctx_len, k, s.local_mask)
                                            for o, s, k in zip(offsets, segments, keys)])
 
@@ -354,6 +356,8 @@ class TorchEngine:
             self.attention_layout = "packed"
             self._pool_bits = [(bf16_bits(self.kv.flat(layer, 0)), bf16_bits(self.kv.flat(layer, 1)))
                                for layer in range(args.n_layers)]
+        # verify steps on the numba kernels run the whole forward over bf16 bits (`cpu_forward`)
+        self._fused = FusedCpuDecoder(self.model) if self.kernel_linears else None
 
     @property
     def kernel_linears(self) -> bool:
@@ -618,6 +622,8 @@ class TorchEngine:
         positions = torch.as_tensor(np.concatenate([s.positions for s in segments]), device=self.device)
         if batch_invariant and self.kernel_attention:
             attention = _KernelAttention(self.kv, segments, self._pool_bits, device=self.device)
+            if self._fused is not None:
+                return self._fused(tokens, positions, attention.layout, self._pool_bits, attention.write_slots)
         else:
             attention = _PagedAttention(self.kv, segments, group=self.args.group_size, dtype=self.dtype,
                                         device=self.device, batch_invariant=batch_invariant)

@@ -1,0 +1,138 @@
+"""The verify forward over bf16 bits (`trt_engines.cpu_forward`): each operator rounds where PyTorch's does (bitwise
+PyTorch's, or within RMSNorm's one bf16 step), rows never depend on the batch, and the engine's fused steps decode
+what the model's own forward decodes. Batch invariance of whole engine steps is tested in `test_engine.py`."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from trt_engines.cpu_forward import FusedCpuDecoder, _add, add_rms_norm, rms_norm, rope_and_store, silu_and_mul
+from trt_engines.cpu_kernels import bf16_bits
+from trt_engines.llama import RMSNorm, Transformer, apply_rope
+from trt_engines.prepare import default_model_dir, is_complete
+
+HYP = settings(max_examples=20, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+
+
+def _bf16(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> torch.Tensor:
+    return torch.from_numpy(rng.standard_normal(shape).astype(np.float32) * scale).bfloat16()
+
+
+def _as_bf16(bits: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(bits).view(torch.bfloat16)
+
+
+@HYP
+@given(rows=st.integers(1, 40), seed=st.integers(0, 2**32 - 1), scale=st.sampled_from([0.01, 1.0, 30.0]))
+def test_operators_round_where_pytorch_does(rows, seed, scale):
+    rng = np.random.default_rng(seed)
+    heads, kv_heads, dim = 4, 2, 32
+    # RoPE and the K/V writes: bitwise `apply_rope`, each token's k and v in its slot
+    qkv = _bf16(rng, rows, (heads + 2 * kv_heads) * dim, scale=scale)
+    positions = torch.as_tensor(rng.integers(0, 4096, rows))
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, dim, 2).float() / dim))
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    q_ref, k_ref, v_ref = qkv.split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
+    q = np.empty((rows, heads, dim), np.uint16)
+    k_pool, v_pool = np.zeros((kv_heads, rows + 5, dim), np.uint16), np.zeros((kv_heads, rows + 5, dim), np.uint16)
+    slots = rng.permutation(rows + 5)[:rows].astype(np.int64)
+    rope_and_store(bf16_bits(qkv), cos.numpy(), sin.numpy(), heads, kv_heads, q, k_pool, v_pool, slots)
+    assert torch.equal(_as_bf16(q), apply_rope(q_ref.reshape(rows, heads, dim), cos, sin))
+    k_want = apply_rope(k_ref.reshape(rows, kv_heads, dim), cos, sin)
+    assert torch.equal(_as_bf16(np.ascontiguousarray(k_pool[:, slots].transpose(1, 0, 2))), k_want)
+    assert torch.equal(_as_bf16(np.ascontiguousarray(v_pool[:, slots].transpose(1, 0, 2))),
+                       v_ref.reshape(rows, kv_heads, dim))
+    # SwiGLU's activation: bitwise bf16 `F.silu(gate) * up`
+    gate_up = _bf16(rng, rows, 2 * 48, scale=scale)
+    act = np.empty((rows, 48), np.uint16)
+    silu_and_mul(bf16_bits(gate_up), act)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(_as_bf16(act), F.silu(gate) * up)
+    # the residual add: bitwise bf16 `x + delta`; RMSNorm within one bf16 step of PyTorch's (its sum of squares
+    # is summed in another order), and the same whether it follows the add or not
+    x, delta = _bf16(rng, rows, 96, scale=scale), _bf16(rng, rows, 96, scale=scale)
+    norm = RMSNorm(96, 1e-5).bfloat16().requires_grad_(False)
+    norm.weight.copy_(_bf16(rng, 96).abs() + 0.5)
+    weight = norm.weight.float().numpy().copy()
+    h = bf16_bits(x).copy()
+    normed, normed_again = np.empty_like(h), np.empty_like(h)
+    add_rms_norm(h, bf16_bits(delta), weight, np.float32(1e-5), normed)
+    assert torch.equal(_as_bf16(h), x + delta)
+    rms_norm(h, weight, np.float32(1e-5), normed_again)
+    assert np.array_equal(normed, normed_again)
+    want = norm(x + delta).float()
+    step = 2.0 ** (torch.floor(torch.log2(want.abs().clamp_min(2.0 ** -126))) - 7)
+    assert ((_as_bf16(normed).float() - want).abs() <= step).all()
+    plain = bf16_bits(x).copy()
+    _add(plain, bf16_bits(delta))
+    assert np.array_equal(plain, h)
+
+
+@HYP
+@given(rows=st.integers(2, 40), row=st.integers(0, 39), seed=st.integers(0, 2**32 - 1))
+def test_rows_do_not_depend_on_the_batch(rows, row, seed):
+    rng = np.random.default_rng(seed)
+    row = row % rows
+    x, gate_up = bf16_bits(_bf16(rng, rows, 576, scale=3.0)), bf16_bits(_bf16(rng, rows, 256, scale=3.0))
+    weight = np.abs(rng.standard_normal(576)).astype(np.float32) + 0.5
+    batch, alone = np.empty_like(x), np.empty_like(x[:1])
+    rms_norm(x, weight, np.float32(1e-6), batch)
+    rms_norm(x[row:row + 1].copy(), weight, np.float32(1e-6), alone)
+    assert np.array_equal(batch[row], alone[0])
+    act, act_alone = np.empty((rows, 128), np.uint16), np.empty((1, 128), np.uint16)
+    silu_and_mul(gate_up, act)
+    silu_and_mul(gate_up[row:row + 1].copy(), act_alone)
+    assert np.array_equal(act[row], act_alone[0])
+
+
+def test_needs_the_kernel_linear_layers():
+    tiny = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 256}
+    with pytest.raises(ValueError, match="Bf16Linear kernels .*cpu_kernels='numba'"):
+        FusedCpuDecoder(Transformer.random(tiny, dtype=torch.bfloat16))
+
+
+@pytest.mark.skipif(not is_complete(default_model_dir()), reason="default model not prepared")
+def test_engine_steps_decode_what_the_model_forward_decodes():
+    # The numba engine's verify steps run the fused forward; the same engine with it switched off runs
+    # `Transformer.forward` on the same kernels. Greedy decoding of a real prompt, speculating a perfect chain
+    # every other step: the same tokens, and logits within a few bf16 steps of each other.
+    from trt_engines.base import VerifyItem
+    from drafter.tree import DraftTree
+    from trt_engines.torch_engine import TorchEngine
+
+    engine = TorchEngine("default", dtype=torch.bfloat16, num_blocks=64, max_context=1024, cpu_kernels="numba")
+    assert engine._fused is not None
+    prompt = [1, 504, 3458, 282, 4649, 314, 260, 1345, 282, 30, 2399, 28, 339, 4510, 253, 1233]
+
+    def decode(fused, steps=20, truth=None):
+        engine._fused = fused
+        rid = f"r{fused is None}"
+        root = engine.add_request(rid, prompt)
+        tokens, logits = [root], []
+        try:
+            while len(tokens) < steps:
+                chain = truth[len(tokens):len(tokens) + 3] if truth and len(tokens) % 2 else []
+                res = engine.verify([VerifyItem(rid, DraftTree.chain(chain) if chain else DraftTree.empty())],
+                                    return_logits=True).results[0]
+                accepted = 0
+                while accepted < len(chain) and chain[accepted] == int(res.target_tokens[accepted]):
+                    accepted += 1
+                tokens += [int(t) for t in res.target_tokens[:accepted + 1]]
+                logits += list(res.logits[:accepted + 1])
+                engine.commit(rid, list(range(accepted)), next_root=tokens[-1])
+        finally:
+            engine.release(rid)
+        return tokens[:steps], torch.stack(logits[:steps - 1])
+
+    fused = engine._fused
+    reference, reference_logits = decode(None)
+    tokens, logits = decode(fused, truth=reference)
+    assert tokens == reference
+    assert (logits - reference_logits).abs().max() < 0.5

@@ -1,0 +1,208 @@
+"""The decoder's batch-invariant verify forward on the CPU kernels, over bf16 bits end to end.
+
+`TorchEngine(cpu_kernels="numba")` runs its verify steps here: `trt_engines.llama`'s forward with the same operators
+and the same bf16 roundings, but every operator is one numba call over uint16 views (`cpu_kernels.bf16_bits`). The
+linear layers and attention were numba kernels already; what this adds is the glue between them. On PyTorch that
+glue (RMSNorm, RoPE, the KV writes, SwiGLU's activation, the residual adds, and the bf16 <-> fp32 conversions around
+each) ran ~60 small ops per layer: about 10 ms of a 38 ms plain step of SmolLM2-135M on a 2-core AVX2 CPU, with
+0.6 ms more per extra token. Here it is five calls per layer besides the four linear layers and the attention.
+
+Every operator works row by row (a row's result never depends on the rows beside it), so the forward stays
+batch-invariant (`cpu_kernels` docstring). The roundings are PyTorch's: RMSNorm in fp32, rounded to bf16, then times
+its bf16 weight and rounded again; RoPE in fp32 (x cos + rotate_half(x) sin, no fused multiply-add: bitwise
+PyTorch's); SiLU in fp32, rounded, times the up projection, rounded; residual adds in fp32, rounded. Only RMSNorm's
+sum of squares (summed in vector lanes) and SiLU's exp (the C library's) may differ from PyTorch's in the last fp32
+bit, so a hidden state here can differ from `Transformer.forward`'s by one bf16 step now and then
+(`tests/test_cpu_kernels.py` bounds it).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numba import njit
+from torch import Tensor
+
+from trt_engines.cpu_kernels import (_CACHE, _FASTMATH, Bf16Linear, TreeAttentionLayout, _round_bf16, _widen,
+                                     bf16_bits, tree_attention_bits)
+from trt_engines.llama import Transformer
+
+
+@njit(inline="always")
+def _widened_row(bits, t, out):
+    """out (fp32 scratch [K]) <- row t of bf16 `bits` [T, K], widened."""
+    wide = out.view(np.uint32)
+    for k in range(bits.shape[1]):
+        wide[k] = _widen(bits[t, k])
+
+
+@njit(inline="always")
+def _norm_row(h, weight, eps, normed, t, scratch):
+    """normed[t] <- RMSNorm of the fp32 row `h` (bf16-exact values) times `weight` (fp32, bf16-exact): PyTorch's
+    `RMSNorm.forward` (statistics in fp32, rounded to bf16, times the weight, rounded)."""
+    dim = h.shape[0]
+    squares = np.float32(0.0)
+    for k in range(dim):
+        squares += h[k] * h[k]
+    scale = np.float32(1.0) / np.sqrt(squares / np.float32(dim) + eps)
+    wide = scratch.view(np.uint32)
+    for k in range(dim):
+        scratch[k] = h[k] * scale
+    for k in range(dim):
+        wide[k] = _widen(_round_bf16(wide[k]))
+    for k in range(dim):
+        scratch[k] = weight[k] * scratch[k]
+    for k in range(dim):
+        normed[t, k] = _round_bf16(wide[k])
+
+
+@njit(fastmath=_FASTMATH, boundscheck=False, cache=_CACHE)
+def rms_norm(x, weight, eps, normed):
+    """normed <- RMSNorm(x) * weight: bf16 bits [T, K], weight [K] fp32."""
+    h = np.empty(x.shape[1], np.float32)
+    scratch = np.empty(x.shape[1], np.float32)
+    for t in range(x.shape[0]):
+        _widened_row(x, t, h)
+        _norm_row(h, weight, eps, normed, t, scratch)
+
+
+@njit(fastmath=_FASTMATH, boundscheck=False, cache=_CACHE)
+def add_rms_norm(x, delta, weight, eps, normed):
+    """x <- x + delta (the residual add, rounded to bf16), then normed <- RMSNorm(x) * weight: bf16 bits [T, K],
+    weight [K] fp32."""
+    h = np.empty(x.shape[1], np.float32)
+    d = np.empty(x.shape[1], np.float32)
+    scratch = np.empty(x.shape[1], np.float32)
+    wide = h.view(np.uint32)
+    for t in range(x.shape[0]):
+        _widened_row(x, t, h)
+        _widened_row(delta, t, d)
+        for k in range(x.shape[1]):
+            h[k] = h[k] + d[k]
+        for k in range(x.shape[1]):
+            x[t, k] = _round_bf16(wide[k])
+            wide[k] = _widen(x[t, k])
+        _norm_row(h, weight, eps, normed, t, scratch)
+
+
+@njit(boundscheck=False, cache=_CACHE)
+def rope_and_store(qkv, cos, sin, n_heads, n_kv_heads, q, k_pool, v_pool, slots):
+    """Split the fused q/k/v projection `qkv` [T, (H + 2 KV) D] (bf16 bits), rotate q and k (`llama.apply_rope`:
+    fp32, x cos + rotate_half(x) sin, one rounding), write q [T, H, D] and each token's k and v into its flat slot
+    `slots[t]` of the layer's pools [KV, slots, D]. No multiply-add is fused here (no fastmath): bitwise PyTorch's."""
+    dim = q.shape[2]
+    half = dim // 2
+    x = np.empty(dim, np.float32)
+    rotated = np.empty(dim, np.float32)
+    wide = x.view(np.uint32)
+    out = rotated.view(np.uint32)
+    for t in range(qkv.shape[0]):
+        for head in range(n_heads + n_kv_heads):
+            base = head * dim
+            for d in range(dim):
+                wide[d] = _widen(qkv[t, base + d])
+            for d in range(half):
+                rotated[d] = x[d] * cos[t, d] + (-x[d + half]) * sin[t, d]
+            for d in range(half, dim):
+                rotated[d] = x[d] * cos[t, d] + x[d - half] * sin[t, d]
+            if head < n_heads:
+                for d in range(dim):
+                    q[t, head, d] = _round_bf16(out[d])
+            else:
+                for d in range(dim):
+                    k_pool[head - n_heads, slots[t], d] = _round_bf16(out[d])
+        v_base = (n_heads + n_kv_heads) * dim
+        for kv in range(n_kv_heads):
+            for d in range(dim):
+                v_pool[kv, slots[t], d] = qkv[t, v_base + kv * dim + d]
+
+
+@njit(boundscheck=False, cache=_CACHE)
+def silu_and_mul(gate_up, out):
+    """out <- silu(gate) * up, gate and up the halves of `gate_up` [T, 2 I] (bf16 bits): SiLU in fp32 and rounded
+    (PyTorch's bf16 `F.silu`), then the product rounded."""
+    inner = out.shape[1]
+    g = np.empty(inner, np.float32)
+    u = np.empty(inner, np.float32)
+    gw, uw = g.view(np.uint32), u.view(np.uint32)
+    for t in range(gate_up.shape[0]):
+        for j in range(inner):
+            gw[j] = _widen(gate_up[t, j])
+            uw[j] = _widen(gate_up[t, inner + j])
+        for j in range(inner):
+            g[j] = g[j] / (np.float32(1.0) + np.exp(-g[j]))
+        for j in range(inner):
+            gw[j] = _widen(_round_bf16(gw[j]))
+        for j in range(inner):
+            g[j] = g[j] * u[j]
+        for j in range(inner):
+            out[t, j] = _round_bf16(gw[j])
+
+
+class FusedCpuDecoder:
+    """`Transformer.forward` for batch-invariant bf16 verify steps on the CPU kernels (module docstring). Built once
+    per engine from the model, whose linear layers must already run `Bf16Linear` kernels; holds only views of the
+    model's weights besides those kernels."""
+
+    def __init__(self, model: Transformer):
+        a = model.args
+        if a.head_dim % 2:
+            raise ValueError(f"RoPE needs an even head_dim; got {a.head_dim}")
+        self.model = model
+        self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
+        self.eps = np.float32(a.norm_eps)
+        self.embeddings = bf16_bits(model.tok_embeddings.weight.detach())
+        self.layers = []
+        for block in model.layers:
+            linears = (block.attention.wqkv, block.attention.wo, block.feed_forward.w13, block.feed_forward.w2)
+            if not all(isinstance(layer.kernel, Bf16Linear) for layer in linears):
+                raise ValueError("FusedCpuDecoder needs the model's linear layers on Bf16Linear kernels "
+                                 "(TorchEngine(cpu_kernels='numba') sets them)")
+            self.layers.append((_widened(block.attention_norm.weight), _widened(block.ffn_norm.weight),
+                                *(layer.kernel for layer in linears)))
+
+    def __call__(self, tokens: Tensor, positions: Tensor, layout: TreeAttentionLayout,
+                 pool_bits: list[tuple[np.ndarray, np.ndarray]], write_slots: np.ndarray) -> Tensor:
+        """Hidden states [T, dim] bf16 (before the final norm) of the packed `tokens` at `positions`; each token's
+        keys and values go to its flat slot `write_slots[t]` of every layer's pools (`pool_bits`: bf16 bits of
+        `PagedKVCache.flat`), and `layout` says what each token attends to."""
+        cos, sin = (table.numpy() for table in self.model.rope_tables(positions))
+        x = self.embeddings[tokens.numpy()]  # a copy: the residual stream, updated in place
+        T, H, D = x.shape[0], self.n_heads, self.head_dim
+        normed = np.empty_like(x)
+        q = np.empty((T, H, D), np.uint16)
+        slots = np.ascontiguousarray(write_slots, dtype=np.int64)
+        rms_norm(x, self.layers[0][0], self.eps, normed)
+        for i, (attention_norm, ffn_norm, wqkv, wo, w13, w2) in enumerate(self.layers):
+            k_pool, v_pool = pool_bits[i]
+            rope_and_store(wqkv.bits(normed), cos, sin, H, self.n_kv_heads, q, k_pool, v_pool, slots)
+            add_rms_norm(x, wo.bits(tree_attention_bits(q, k_pool, v_pool, layout)), ffn_norm, self.eps, normed)
+            gate_up = w13.bits(normed)
+            act = np.empty((T, gate_up.shape[1] // 2), np.uint16)
+            silu_and_mul(gate_up, act)
+            down = w2.bits(act)
+            if i + 1 < len(self.layers):
+                add_rms_norm(x, down, self.layers[i + 1][0], self.eps, normed)
+            else:
+                _add(x, down)
+        return torch.from_numpy(x).view(torch.bfloat16)
+
+
+@njit(boundscheck=False, cache=_CACHE)
+def _add(x, delta):
+    """x <- x + delta, rounded to bf16 (bits [T, K])."""
+    h = np.empty(x.shape[1], np.float32)
+    d = np.empty(x.shape[1], np.float32)
+    wide = h.view(np.uint32)
+    for t in range(x.shape[0]):
+        _widened_row(x, t, h)
+        _widened_row(delta, t, d)
+        for k in range(x.shape[1]):
+            h[k] = h[k] + d[k]
+        for k in range(x.shape[1]):
+            x[t, k] = _round_bf16(wide[k])
+
+
+def _widened(weight: Tensor) -> np.ndarray:
+    """A bf16 vector's values as fp32 (exact)."""
+    return weight.detach().float().numpy().copy()
