@@ -1,5 +1,5 @@
 """The verify forward over bf16 bits (`trt_engines.cpu_forward`): each operator rounds where PyTorch's does (bitwise
-PyTorch's, or within RMSNorm's one bf16 step), rows never depend on the batch, and the engine's fused steps decode
+PyTorch's, or within one bf16 step where its sums or exp are computed otherwise), rows never depend on the batch, and the engine's fused steps decode
 what the model's own forward decodes. Batch invariance of whole engine steps is tested in `test_engine.py`."""
 
 from __future__ import annotations
@@ -27,6 +27,11 @@ def _as_bf16(bits: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(bits).view(torch.bfloat16)
 
 
+def _bf16_step(x: torch.Tensor) -> torch.Tensor:
+    """The spacing of bf16 numbers at |x| (8 significant bits)."""
+    return 2.0 ** (torch.floor(torch.log2(x.abs().clamp_min(2.0 ** -126))) - 7)
+
+
 @HYP
 @given(rows=st.integers(1, 40), seed=st.integers(0, 2**32 - 1), scale=st.sampled_from([0.01, 1.0, 30.0]))
 def test_operators_round_where_pytorch_does(rows, seed, scale):
@@ -48,12 +53,14 @@ def test_operators_round_where_pytorch_does(rows, seed, scale):
     assert torch.equal(_as_bf16(np.ascontiguousarray(k_pool[:, slots].transpose(1, 0, 2))), k_want)
     assert torch.equal(_as_bf16(np.ascontiguousarray(v_pool[:, slots].transpose(1, 0, 2))),
                        v_ref.reshape(rows, kv_heads, dim))
-    # SwiGLU's activation: bitwise bf16 `F.silu(gate) * up`
+    # SwiGLU's activation: bf16 `F.silu(gate) * up` within one bf16 step (its exp is not the same code as
+    # PyTorch's; on 786k values tried it gave the same bits everywhere)
     gate_up = _bf16(rng, rows, 2 * 48, scale=scale)
     act = np.empty((rows, 48), np.uint16)
     silu_and_mul(bf16_bits(gate_up), act)
     gate, up = gate_up.chunk(2, dim=-1)
-    assert torch.equal(_as_bf16(act), F.silu(gate) * up)
+    want = (F.silu(gate) * up).float()
+    assert ((_as_bf16(act).float() - want).abs() <= _bf16_step(want)).all()
     # the residual add: bitwise bf16 `x + delta`; RMSNorm within one bf16 step of PyTorch's (its sum of squares
     # is summed in another order), and the same whether it follows the add or not
     x, delta = _bf16(rng, rows, 96, scale=scale), _bf16(rng, rows, 96, scale=scale)
@@ -67,8 +74,7 @@ def test_operators_round_where_pytorch_does(rows, seed, scale):
     rms_norm(h, weight, np.float32(1e-5), normed_again)
     assert np.array_equal(normed, normed_again)
     want = norm(x + delta).float()
-    step = 2.0 ** (torch.floor(torch.log2(want.abs().clamp_min(2.0 ** -126))) - 7)
-    assert ((_as_bf16(normed).float() - want).abs() <= step).all()
+    assert ((_as_bf16(normed).float() - want).abs() <= _bf16_step(want)).all()
     plain = bf16_bits(x).copy()
     _add(plain, bf16_bits(delta))
     assert np.array_equal(plain, h)
