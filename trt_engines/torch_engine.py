@@ -356,8 +356,8 @@ class TorchEngine:
             self.attention_layout = "packed"
             self._pool_bits = [(bf16_bits(self.kv.flat(layer, 0)), bf16_bits(self.kv.flat(layer, 1)))
                                for layer in range(args.n_layers)]
-        # verify steps on the numba kernels run the whole forward over bf16 bits (`cpu_forward`)
-        self._fused = FusedCpuDecoder(self.model) if self.kernel_linears else None
+        # verify steps on the numba attention run the whole forward over bf16 bits (`cpu_forward`)
+        self._fused = FusedCpuDecoder(self.model) if self.kernel_attention else None
 
     @property
     def kernel_linears(self) -> bool:
