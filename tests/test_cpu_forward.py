@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trt_engines.cpu_forward import FusedCpuDecoder, _add, add_rms_norm, rms_norm, rope_and_store, silu_and_mul
+from trt_engines.cpu_forward import (FusedCpuDecoder, add_rms_norm, residual_add, rms_norm, rope_and_store,
+                                     silu_and_mul)
 from trt_engines.cpu_kernels import bf16_bits
 from trt_engines.llama import RMSNorm, Transformer, apply_rope
 from trt_engines.prepare import default_model_dir, is_complete
@@ -76,7 +77,7 @@ def test_operators_round_where_pytorch_does(rows, seed, scale):
     want = norm(x + delta).float()
     assert ((_as_bf16(normed).float() - want).abs() <= _bf16_step(want)).all()
     plain = bf16_bits(x).copy()
-    _add(plain, bf16_bits(delta))
+    residual_add(plain, bf16_bits(delta))
     assert np.array_equal(plain, h)
 
 

@@ -5,8 +5,9 @@
 roundings, but every operator is one numba call over uint16 views (`cpu_kernels.bf16_bits`), except the linear
 layers where they stay PyTorch's ("attention"). What this adds is the glue between the kernels. On PyTorch that
 glue (RMSNorm, RoPE, the KV writes, SwiGLU's activation, the residual adds, and the bf16 <-> fp32 conversions around
-each) ran ~60 small PyTorch ops per layer: 10-15 ms of a 38 ms plain step of SmolLM2-135M on a 2-core AVX2 CPU,
-0.6 ms more per extra token. Here it is four calls per layer besides the four linear layers and the attention.
+each) ran ~60 small PyTorch ops per layer; here it is four calls per layer besides the four linear layers and the
+attention. On a 2-core AVX2 CPU with the numba linear layers (SmolLM2-135M, batch 1, context 512, `verify_cost.md`
+at c7fd3fb and at 768bb92) a plain step went from 33.9 to 16.5 ms and an 8-node one from 56.8 to 36.6 ms.
 
 Every operator works row by row (a row's result never depends on the rows beside it), so the forward stays
 batch-invariant (`cpu_kernels` docstring). The roundings are PyTorch's: RMSNorm in fp32, rounded to bf16, then times
@@ -15,8 +16,7 @@ PyTorch's); SiLU in fp32, rounded, times the up projection, rounded; residual ad
 computations differ from PyTorch's and may move a result by one bf16 step: RMSNorm's sum of squares (summed in
 vector lanes) and SiLU's exp (Cephes' expf, which vectorises; on 786k random values it gave PyTorch's bits
 everywhere). So a hidden state here may part from `Transformer.forward`'s by a bf16 step now and then
-(`tests/test_cpu_forward.py`). One-off timings (2-core AVX2 EPYC, SmolLM2-135M at context 512): a plain verify step
-31-40 -> 14-17 ms, a 9-token one 60 -> 36-42 ms.
+(`tests/test_cpu_forward.py`).
 """
 
 from __future__ import annotations
@@ -71,6 +71,19 @@ def rms_norm(x, weight, eps, normed):
         _norm_row(h, weight, eps, normed, t, scratch)
 
 
+@njit(inline="always")
+def _add_row(x, delta, t, h, d):
+    """x[t] <- x[t] + delta[t] rounded to bf16 (the residual add), leaving its fp32 value in the scratch row `h`."""
+    _widened_row(x, t, h)
+    _widened_row(delta, t, d)
+    for k in range(x.shape[1]):
+        h[k] = h[k] + d[k]
+    wide = h.view(np.uint32)
+    for k in range(x.shape[1]):
+        x[t, k] = _round_bf16(wide[k])
+        wide[k] = _widen(x[t, k])
+
+
 @njit(fastmath=_FASTMATH, boundscheck=False, cache=_CACHE)
 def add_rms_norm(x, delta, weight, eps, normed):
     """x <- x + delta (the residual add, rounded to bf16), then normed <- RMSNorm(x) * weight: bf16 bits [T, K],
@@ -78,16 +91,18 @@ def add_rms_norm(x, delta, weight, eps, normed):
     h = np.empty(x.shape[1], np.float32)
     d = np.empty(x.shape[1], np.float32)
     scratch = np.empty(x.shape[1], np.float32)
-    wide = h.view(np.uint32)
     for t in range(x.shape[0]):
-        _widened_row(x, t, h)
-        _widened_row(delta, t, d)
-        for k in range(x.shape[1]):
-            h[k] = h[k] + d[k]
-        for k in range(x.shape[1]):
-            x[t, k] = _round_bf16(wide[k])
-            wide[k] = _widen(x[t, k])
+        _add_row(x, delta, t, h, d)
         _norm_row(h, weight, eps, normed, t, scratch)
+
+
+@njit(boundscheck=False, cache=_CACHE)
+def residual_add(x, delta):
+    """x <- x + delta, rounded to bf16 (bits [T, K]): the last layer's add, which no norm follows."""
+    h = np.empty(x.shape[1], np.float32)
+    d = np.empty(x.shape[1], np.float32)
+    for t in range(x.shape[0]):
+        _add_row(x, delta, t, h, d)
 
 
 @njit(boundscheck=False, cache=_CACHE)
@@ -127,7 +142,8 @@ _EXP_CEIL = np.float32(88.72283)  # above it expf overflows to inf
 def silu_and_mul(gate_up, out):
     """out <- silu(gate) * up, gate and up the halves of `gate_up` [T, 2 I] (bf16 bits): SiLU in fp32,
     gate / (1 + exp(-gate)), rounded (PyTorch's bf16 `F.silu`), then the product rounded. exp is Cephes' expf (as in
-    the attention's softmax) rather than the C library's, so that the loop vectorises: 8x faster at 9 rows."""
+    the attention's softmax) rather than the C library's, so that the loop vectorises (the C library's is a call per
+    element)."""
     inner = out.shape[1]
     p0, p1, p2, p3, p4, p5 = _EXP_POLY
     g = np.empty(inner, np.float32)
@@ -192,7 +208,7 @@ class FusedCpuDecoder:
         q = np.empty((T, H, D), np.uint16)
         slots = np.ascontiguousarray(write_slots, dtype=np.int64)
         rms_norm(x, self.layers[0][0], self.eps, normed)
-        for i, (attention_norm, ffn_norm, wqkv, wo, w13, w2) in enumerate(self.layers):
+        for i, (_, ffn_norm, wqkv, wo, w13, w2) in enumerate(self.layers):  # the attention norm ran with the add
             k_pool, v_pool = pool_bits[i]
             rope_and_store(wqkv(normed), cos, sin, H, self.n_kv_heads, q, k_pool, v_pool, slots)
             add_rms_norm(x, wo(tree_attention_bits(q, k_pool, v_pool, layout)), ffn_norm, self.eps, normed)
@@ -203,23 +219,8 @@ class FusedCpuDecoder:
             if i + 1 < len(self.layers):
                 add_rms_norm(x, down, self.layers[i + 1][0], self.eps, normed)
             else:
-                _add(x, down)
+                residual_add(x, down)
         return torch.from_numpy(x).view(torch.bfloat16)
-
-
-@njit(boundscheck=False, cache=_CACHE)
-def _add(x, delta):
-    """x <- x + delta, rounded to bf16 (bits [T, K])."""
-    h = np.empty(x.shape[1], np.float32)
-    d = np.empty(x.shape[1], np.float32)
-    wide = h.view(np.uint32)
-    for t in range(x.shape[0]):
-        _widened_row(x, t, h)
-        _widened_row(delta, t, d)
-        for k in range(x.shape[1]):
-            h[k] = h[k] + d[k]
-        for k in range(x.shape[1]):
-            x[t, k] = _round_bf16(wide[k])
 
 
 def _widened(weight: Tensor) -> np.ndarray:

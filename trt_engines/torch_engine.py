@@ -33,8 +33,8 @@ paged pool (no gather, no padding: `attention_layout` "packed"), and every row a
 see, in slot order, so a token gets plain decoding's logits on any branch of a tree, not only on first-child chains:
 bf16 speculation is then lossless outright. Slots keep the tree's own order. With either, a verify step runs the
 whole forward over bf16 bits (`trt_engines.cpu_forward`: RMSNorm, RoPE and the K/V writes, SwiGLU and the residual
-adds as a few numba calls per layer instead of ~60 small PyTorch ops; a plain step of SmolLM2-135M went from 31-40
-to 14-17 ms on a 2-core AVX2 CPU with the numba linear layers). Without bf16 dot-product instructions
+adds as a few numba calls per layer instead of ~60 small PyTorch ops; a plain step of SmolLM2-135M went from 33.9
+to 16.5 ms on a 2-core AVX2 CPU with the numba linear layers, `verify_cost.md` at c7fd3fb and 768bb92). Without bf16 dot-product instructions
 PyTorch's bf16 linear layers are not batch-invariant even in that form (on an AVX2 EPYC, "attention" and "torch"
 gave logits 0.125-0.25 apart between plain decoding and tree steps; the engine tests skip them there): only "numba",
 what "auto" picks there, is.
@@ -231,7 +231,9 @@ class _PagedAttention:
 class _KernelAttention:
     """Attention fn for one packed forward over `segments` with the CPU kernel (`cpu_kernels.tree_attention`):
     write the new K/V into their slots, then every request attends over its own visible keys in the paged pool
-    (no gather, no padding: the step-time model prices it as "packed")."""
+    (no gather, no padding: the step-time model prices it as "packed"). Verify steps hand its `layout` and
+    `write_slots` to `FusedCpuDecoder`; called as an attention fn it runs the same step through
+    `Transformer.forward`, the reference `tests/test_cpu_forward.py` compares the fused forward with."""
 
     def __init__(self, cache: PagedKVCache, segments: Sequence[_Segment], pool_bits: list[tuple[np.ndarray, np.ndarray]],
                  *, device: torch.device):
