@@ -7,8 +7,8 @@ Without AVX512-BF16 or AMX, PyTorch's bf16 matmuls on the CPU fall back to a slo
 and its batched attention matmuls likewise, so verifying a 15-node tree cost 6.6x a plain step. These kernels read
 the bf16 weights and KV cache as raw bits, widen them to fp32 in registers and accumulate in fp32 (what bf16 GEMMs
 do). Their matrix products run on one register-blocked micro-kernel (`_tile_products`, in LLVM IR: up to six rows
-times 2 x `VECTOR_FLOATS` outputs, or one row times four times that, per pass over the shared dimension, accumulators
-in registers; 8-float vectors on AVX2, 16 on AVX-512, the same bits either way), so a
+times 2 x `VECTOR_FLOATS` outputs, or one to three rows times four or two times that, per pass over the shared
+dimension, accumulators in registers; 8-float vectors on AVX2, 16 on AVX-512, the same bits either way), so a
 verify step's extra rows cost compute at close to the FMA units' rate rather than loads and horizontal sums;
 `verify_cost.md` has the step times. `TorchEngine(cpu_kernels=...)` decides where they run.
 
@@ -70,6 +70,7 @@ LANES = 2 * VECTOR_FLOATS  # output features per packed weight tile: two vectors
 TILE_ROWS = 6  # input rows per micro-kernel call: 12 accumulators + 2 weights + 1 broadcast fit AVX2's 16 registers
 _ROW_CHUNK = 64  # input rows per kernel call: a chunk of widened rows stays in L2 while every weight tile streams past
 _TASKS_PER_THREAD = 4  # runs of weight tiles per thread and `_linear_kernel` call: balanced however they split
+_PREFETCH_BYTES = 2048  # how far ahead of a multi-row pass (`_tile_products`) its weight streams are prefetched
 
 
 def bf16_bits(t: Tensor) -> np.ndarray:
@@ -197,6 +198,15 @@ def _tile_products(rows: int, tiles: int = 1):
             tile_cols = [builder.add(b_col0, builder.mul(b_col_step, const(t))) for t in range(tiles)]
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32xV, [_F32xV] * 3),
                                                  f"llvm.fma.v{VECTOR_FLOATS}f32")
+            # A pass over several rows consumes a weight stream several times slower than one row's does, so the
+            # few iterations the CPU runs ahead of it cover a fraction of the memory latency the single row's
+            # cover, and the hardware prefetcher alone falls behind: each iteration asks for the line
+            # `_PREFETCH_BYTES` ahead (bf16 weights; a hint, which never faults past the array's end).
+            prefetch = _PREFETCH_BYTES // (2 * LANES) if bf16 and rows > 1 else 0  # in iterations of k
+            i32 = ir.IntType(32)
+            prefetch_function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
+                ir.VoidType(), [context.get_data_type(b_type.dtype).as_pointer(), i32, i32, i32]), "llvm.prefetch.p0")
+            read_keep_data = [ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)]
             vectors = 2 * tiles  # accumulator vectors per row: vector v is tile v // 2, half v % 2
             entry = builder.block
             loop = builder.append_basic_block("tile_products.loop")
@@ -224,6 +234,11 @@ def _tile_products(rows: int, tiles: int = 1):
                 widened = builder.shl(builder.zext(loaded, _I32xV), ir.Constant(_I32xV, [16] * VECTOR_FLOATS))
                 return builder.bitcast(widened, _F32xV)
 
+            if prefetch:
+                ahead = builder.add(k, const(prefetch))
+                for t in range(tiles):
+                    builder.call(prefetch_function,
+                                 [item(b_type, b_view, builder.add(tile_rows[t], ahead), tile_cols[t])] + read_keep_data)
             # emitted in the order that keeps the fewest vectors live besides the accumulators (LLVM keeps it): all
             # the weights and one row's broadcast at a time, or all the broadcasts and one weight vector at a time
             updated = [[None] * vectors for _ in range(rows)]
@@ -262,49 +277,72 @@ def _tile_products(rows: int, tiles: int = 1):
 
 _products_1, _products_2, _products_3, _products_4, _products_5, _products_6 = (
     _tile_products(rows) for rows in range(1, TILE_ROWS + 1))
-TILE_GROUP = 4  # tiles per single-row pass (`_times_tiles`): 8 independent chains, like 4 rows' worth
-_products_1x4 = _tile_products(1, TILE_GROUP)
+TILE_GROUP = 4  # tiles per call of `_times_tiles` from the linear kernel, and per single-row pass
+_products_1x4 = _tile_products(1, 4)
+_products_2x2 = _tile_products(2, 2)
+_products_3x2 = _tile_products(3, 2)
 
 
 @njit(inline="always")
-def _products(b, b_row, b_col, xf, m0, k_dim, out, out_row, out_col, rows):
-    """`_tile_products(rows)` for 1 <= rows <= TILE_ROWS (numba needs each instance named)."""
-    if rows == 6:
-        _products_6(b, b_row, b_col, 0, 0, xf, m0, k_dim, out, out_row, out_col)
+def _tiles_per_pass(rows):
+    """Tiles a pass of `rows` rows takes at once: enough independent chains (2 x rows x tiles, at most the 12
+    accumulators) to cover a fused multiply-add's latency (8 chains on AVX2 cores: two units, four cycles)."""
+    if rows == 1:
+        return 4
+    if rows <= 3:
+        return 2
+    return 1
+
+
+@njit(inline="always")
+def _products(b, b_row, b_col, b_row_step, b_col_step, xf, m0, k_dim, out, out_col, rows, tiles):
+    """`_tile_products(rows, tiles)` over rows m0.. of xf into the same rows of out, for the (rows, tiles) pairs
+    `_times_tiles` uses (numba needs each instance named)."""
+    if tiles == 4:
+        _products_1x4(b, b_row, b_col, b_row_step, b_col_step, xf, m0, k_dim, out, m0, out_col)
+    elif tiles == 2:
+        if rows == 3:
+            _products_3x2(b, b_row, b_col, b_row_step, b_col_step, xf, m0, k_dim, out, m0, out_col)
+        else:
+            _products_2x2(b, b_row, b_col, b_row_step, b_col_step, xf, m0, k_dim, out, m0, out_col)
+    elif rows == 6:
+        _products_6(b, b_row, b_col, 0, 0, xf, m0, k_dim, out, m0, out_col)
     elif rows == 5:
-        _products_5(b, b_row, b_col, 0, 0, xf, m0, k_dim, out, out_row, out_col)
+        _products_5(b, b_row, b_col, 0, 0, xf, m0, k_dim, out, m0, out_col)
     elif rows == 4:
-        _products_4(b, b_row, b_col, 0, 0, xf, m0, k_dim, out, out_row, out_col)
+        _products_4(b, b_row, b_col, 0, 0, xf, m0, k_dim, out, m0, out_col)
     elif rows == 3:
-        _products_3(b, b_row, b_col, 0, 0, xf, m0, k_dim, out, out_row, out_col)
+        _products_3(b, b_row, b_col, 0, 0, xf, m0, k_dim, out, m0, out_col)
     elif rows == 2:
-        _products_2(b, b_row, b_col, 0, 0, xf, m0, k_dim, out, out_row, out_col)
+        _products_2(b, b_row, b_col, 0, 0, xf, m0, k_dim, out, m0, out_col)
     else:
-        _products_1(b, b_row, b_col, 0, 0, xf, m0, k_dim, out, out_row, out_col)
+        _products_1(b, b_row, b_col, 0, 0, xf, m0, k_dim, out, m0, out_col)
 
 
 @njit(inline="always")
 def _times_tiles(xf, b, b_row, b_col, b_row_step, b_col_step, tiles, k_dim, out, out_col):
     """For t < tiles: out[:, out_col + t * LANES:][:, :LANES] = xf[:, :k_dim] @ (tile t of b: k_dim rows from
-    b_row + t * b_row_step, LANES columns from b_col + t * b_col_step), for every row of xf. Each tile meets the
-    rows in groups of up to TILE_ROWS (read from memory by the first group, from L1 by the rest); a single row
-    takes TILE_GROUP tiles per pass instead: one row's two chains would leave the FMA units waiting on each
-    fused multiply-add's latency, and four weight streams at once also read memory faster than one."""
-    if xf.shape[0] == 1:
-        t = 0
-        while t + TILE_GROUP <= tiles:
-            _products_1x4(b, b_row + t * b_row_step, b_col + t * b_col_step, b_row_step, b_col_step, xf, 0, k_dim,
-                          out, 0, out_col + t * LANES)
-            t += TILE_GROUP
-        for t in range(t, tiles):
-            _products_1(b, b_row + t * b_row_step, b_col + t * b_col_step, 0, 0, xf, 0, k_dim, out, 0,
-                        out_col + t * LANES)
-        return
+    b_row + t * b_row_step, LANES columns from b_col + t * b_col_step), for every row of xf.
+
+    Up to TILE_ROWS rows go in one pass per tile, or per two or four tiles where they are one to three rows
+    (`_tiles_per_pass`: fewer chains would leave the FMA units waiting on each one's latency, and several weight
+    streams at once also read memory faster). More rows go TILE_ROWS at a time, each tile meeting every group in
+    turn: the first reads it from memory, the rest from L1. (Splitting them evenly, 9 rows as 5 + 4, measured
+    5-10% slower than 6 + 3, though a pass of three rows costs about as much as one of four.)"""
     rows = xf.shape[0]
+    if rows <= TILE_ROWS:
+        per_pass = _tiles_per_pass(rows)
+        t = 0
+        while t < tiles:
+            take = per_pass if t + per_pass <= tiles else 1
+            _products(b, b_row + t * b_row_step, b_col + t * b_col_step, b_row_step, b_col_step, xf, 0, k_dim,
+                      out, out_col + t * LANES, rows, take)
+            t += take
+        return
     for t in range(tiles):
         for m0 in range(0, rows, TILE_ROWS):
-            _products(b, b_row + t * b_row_step, b_col + t * b_col_step, xf, m0, k_dim, out, m0,
-                      out_col + t * LANES, min(TILE_ROWS, rows - m0))
+            _products(b, b_row + t * b_row_step, b_col + t * b_col_step, 0, 0, xf, m0, k_dim, out,
+                      out_col + t * LANES, min(TILE_ROWS, rows - m0), 1)
 
 
 @njit(parallel=True, boundscheck=False, cache=_CACHE)
@@ -312,13 +350,13 @@ def _linear_kernel(x: np.ndarray, packed: np.ndarray, bias: np.ndarray, out: np.
     """out = x w^T + bias, accumulated in fp32: x [M, K] bf16 bits, packed [N / LANES * K, LANES] the weight's
     bf16 bits in tiles of K rows (`Bf16Linear`), bias [N] fp32, out [M, N] bf16 bits (or fp32). `tasks` runs of
     consecutive tiles share the threads; they go TILE_GROUP tiles at a time through `_times_tiles`, where each
-    tile's LANES x K weights are read from memory once and from cache by the later row groups (a single row takes
-    the TILE_GROUP tiles in one pass).
+    tile's LANES x K weights are read from memory once and from cache by the later row groups.
 
     Every output is one fused multiply-add chain over K in order, then + bias, then one rounding: the same bits
-    whatever M is, where its row sits and which group it falls in (what makes rows batch-invariant). One or two rows
-    stream the weights at memory speed; more rows are compute-bound, and the register blocking keeps the FMA units
-    busy where a dot-product loop stalls on loads and horizontal sums."""
+    whatever M is, where its row sits and which group it falls in (what makes rows batch-invariant). One row
+    streams the weights at memory speed; on the 2-core AVX2 EPYC each further row added ~10% of that (linear layers
+    of the whole model: 1 row ~11 ms, 6 rows ~16 ms, 9 rows ~23 ms), because the weight streaming and the extra
+    rows' arithmetic overlap only in part, even with the prefetches."""
     rows, k_dim = x.shape
     tiles = packed.shape[0] // k_dim
     xw = np.empty((rows, k_dim), np.uint32)
@@ -329,9 +367,8 @@ def _linear_kernel(x: np.ndarray, packed: np.ndarray, bias: np.ndarray, out: np.
     for task in prange(tasks):
         acc = np.empty((rows, TILE_GROUP * LANES), np.float32)
         end = (task + 1) * tiles // tasks
-        step = TILE_GROUP if rows == 1 else 1
-        for first in range(task * tiles // tasks, end, step):
-            group = min(step, end - first)
+        for first in range(task * tiles // tasks, end, TILE_GROUP):
+            group = min(TILE_GROUP, end - first)
             _times_tiles(xf, packed, first * k_dim, 0, k_dim, 0, group, k_dim, acc, 0)
             for t in range(group):
                 n0 = (first + t) * LANES
