@@ -66,8 +66,9 @@ Closed loop (`observe`, called by the orchestrator after every step):
   goodput made 0.95-0.97 of `none` in each of 3 rounds with the earlier dot-product kernels (`throughput_avx2.md`
   at commit 91cd3dd), and 0.96-0.98 in each of 3 rounds with the register-blocked kernels (the file at d67abef;
   1.03 in the full run's single round before it, which was noise: one round does not settle this group; 1.02 in
-  the single round of the full run at e7bdfc6, and 0.98 in that of 0d7fadc, whose fused verify forward made plain
-  steps about twice as fast; neither re-measured in rounds).
+  the single round of the full run at e7bdfc6, 0.98 in that of 0d7fadc, whose fused verify forward made plain
+  steps about twice as fast, and 0.978 in that of 03d16e1, where both spent the same time in verify steps and the
+  gap was prefills measured 6% slower for the same work; none re-measured in rounds).
 
 - per-request ceiling: at most max(4, T / b) nodes per request, T = the larger of `batch_node_ceiling` (64) and
   the roofline's free token budget (SSSD's knee: ~12 tokens on this CPU, ~295 for bf16 on an H100). The calibrated
