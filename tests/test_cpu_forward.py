@@ -1,6 +1,7 @@
 """The verify forward over bf16 bits (`trt_engines.cpu_forward`): each operator rounds where PyTorch's does (bitwise
-PyTorch's, or within one bf16 step where its sums or exp are computed otherwise), rows never depend on the batch, and the engine's fused steps decode
-what the model's own forward decodes. Batch invariance of whole engine steps is tested in `test_engine.py`."""
+PyTorch's, or within one bf16 step where its sums or exp are computed otherwise), rows never depend on the batch,
+and the engine's fused steps decode what the model's own forward decodes. Batch invariance of whole engine steps is
+tested in `test_engine.py`."""
 
 from __future__ import annotations
 

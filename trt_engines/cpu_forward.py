@@ -28,8 +28,8 @@ import torch
 from numba import njit
 from torch import Tensor
 
-from trt_engines.cpu_kernels import (_CACHE, _EXP_FLOOR, _EXP_POLY, _FASTMATH, _LN2_HI, _LN2_LO, _LOG2E, Bf16Linear,
-                                     TreeAttentionLayout, _round_bf16, _widen, bf16_bits, tree_attention_bits)
+from trt_engines.cpu_kernels import (_CACHE, _EXP_CEIL, _EXP_FLOOR, _FASTMATH, Bf16Linear, TreeAttentionLayout,
+                                     _exp_exponent, _exp_remainder, _round_bf16, _widen, bf16_bits, tree_attention_bits)
 from trt_engines.llama import Linear, Transformer
 
 
@@ -135,9 +135,6 @@ def rope_and_store(qkv, cos, sin, n_heads, n_kv_heads, q, k_pool, v_pool, slots)
                 v_pool[kv, slots[t], d] = qkv[t, (heads + kv) * dim + d]
 
 
-_EXP_CEIL = np.float32(88.72283)  # above it expf overflows to inf
-
-
 @njit(fastmath=_FASTMATH, boundscheck=False, error_model="numpy", cache=_CACHE)
 def silu_and_mul(gate_up, out):
     """out <- silu(gate) * up, gate and up the halves of `gate_up` [T, 2 I] (bf16 bits): SiLU in fp32,
@@ -145,7 +142,6 @@ def silu_and_mul(gate_up, out):
     the attention's softmax) rather than the C library's, so that the loop vectorises (the C library's is a call per
     element)."""
     inner = out.shape[1]
-    p0, p1, p2, p3, p4, p5 = _EXP_POLY
     g = np.empty(inner, np.float32)
     u = np.empty(inner, np.float32)
     power = np.empty(inner, np.float32)
@@ -156,12 +152,11 @@ def silu_and_mul(gate_up, out):
             gw[j] = _widen(gate_up[t, j])
             uw[j] = _widen(gate_up[t, inner + j])
         for j in range(inner):
-            # exp(y) = 2^k e^r, |r| <= ln2 / 2; 2^k as 2^(k - 1) * 2 so that k = 128 (y near the ceiling) stays finite
+            # 2^k as 2^(k - 1) * 2, so that k = 128 (y near the ceiling) stays finite
             y = min(max(-g[j], _EXP_FLOOR), _EXP_CEIL)
-            k = np.floor(y * _LOG2E + np.float32(0.5))
-            r = y - k * _LN2_HI - k * _LN2_LO
+            k = _exp_exponent(y)
             power_bits[j] = np.uint32(np.int32(k) + np.int32(126)) << np.uint32(23)
-            e[j] = (((((p0 * r + p1) * r + p2) * r + p3) * r + p4) * r + p5) * (r * r) + r + np.float32(1.0)
+            e[j] = _exp_remainder(y, k)
         for j in range(inner):
             exp = e[j] * power[j] * np.float32(2.0)
             exp = np.float32(np.inf) if -g[j] > _EXP_CEIL else exp

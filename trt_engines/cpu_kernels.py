@@ -237,8 +237,8 @@ def _tile_products(rows: int, tiles: int = 1):
             if prefetch:
                 ahead = builder.add(k, const(prefetch))
                 for t in range(tiles):
-                    builder.call(prefetch_function,
-                                 [item(b_type, b_view, builder.add(tile_rows[t], ahead), tile_cols[t])] + read_keep_data)
+                    ahead_of_tile = item(b_type, b_view, builder.add(tile_rows[t], ahead), tile_cols[t])
+                    builder.call(prefetch_function, [ahead_of_tile] + read_keep_data)
             # emitted in the order that keeps the fewest vectors live besides the accumulators (LLVM keeps it): all
             # the weights and one row's broadcast at a time, or all the broadcasts and one weight vector at a time
             updated = [[None] * vectors for _ in range(rows)]
@@ -425,6 +425,7 @@ _LN2_HI, _LN2_LO = np.float32(0.693359375), np.float32(-2.12194440e-4)
 _EXP_POLY = tuple(np.float32(c) for c in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
                                           1.6666665459e-1, 5.0000001201e-1))
 _EXP_FLOOR = np.float32(-87.0)  # below it exp underflows to (nearly) 0 and 2^n would leave the normal range
+_EXP_CEIL = np.float32(88.72283)  # above it expf overflows to inf
 _MAX_LANES = 16  # running maxima in the softmax (`_softmax_weights`)
 _ROWS_PER_TASK = 16  # query rows (tokens x heads of a KV group) per task of `_tree_attention_kernel`
 _KEY_TILE = 4  # keys per step of the score loop (times two query rows: eight dot products at once)
@@ -457,10 +458,25 @@ def _scores(qf, kf, scores, dim):
 
 
 @njit(inline="always")
+def _exp_exponent(y):
+    """k of exp(y) = e^r * 2^k, r = y - k ln2, |r| <= ln2 / 2 (Cephes' expf), as a float: the caller builds 2^k from
+    its bits into a scratch array, which keeps its loop vectorised."""
+    return np.floor(y * _LOG2E + np.float32(0.5))
+
+
+@njit(inline="always")
+def _exp_remainder(y, k):
+    """e^r for r = y - k ln2 (k from `_exp_exponent`): Cephes' degree-7 polynomial, for y in
+    [_EXP_FLOOR, _EXP_CEIL]."""
+    p0, p1, p2, p3, p4, p5 = _EXP_POLY
+    r = y - k * _LN2_HI - k * _LN2_LO
+    return (((((p0 * r + p1) * r + p2) * r + p3) * r + p4) * r + p5) * (r * r) + r + np.float32(1.0)
+
+
+@njit(inline="always")
 def _softmax_weights(weights, m, power_bits):
     """weights[:m] <- exp(weights[:m] - max) in place (Cephes' expf, above; 0 below `_EXP_FLOOR`); returns their sum.
     `power_bits`: uint32 scratch [>= m] for the 2^k factors."""
-    p0, p1, p2, p3, p4, p5 = _EXP_POLY
     # the max in _MAX_LANES independent lanes (a max is exact in any order; one running max would not vectorise)
     tops = np.full(_MAX_LANES, -np.inf, np.float32)
     whole = m - m % _MAX_LANES
@@ -475,11 +491,9 @@ def _softmax_weights(weights, m, power_bits):
     for t in range(m):
         x = weights[t] - top
         clamped = max(x, _EXP_FLOOR)
-        k = np.floor(clamped * _LOG2E + np.float32(0.5))
-        r = clamped - k * _LN2_HI - k * _LN2_LO
+        k = _exp_exponent(clamped)
         power_bits[t] = np.uint32(np.int32(k) + np.int32(127)) << np.uint32(23)  # the bits of 2^k
-        poly = (((((p0 * r + p1) * r + p2) * r + p3) * r + p4) * r + p5) * (r * r) + r + np.float32(1.0)
-        weights[t] = poly if x > _EXP_FLOOR else np.float32(0.0)
+        weights[t] = _exp_remainder(clamped, k) if x > _EXP_FLOOR else np.float32(0.0)
     powers = power_bits.view(np.float32)
     total = np.float32(0.0)
     for t in range(m):

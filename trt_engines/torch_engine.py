@@ -34,10 +34,10 @@ see, in slot order, so a token gets plain decoding's logits on any branch of a t
 bf16 speculation is then lossless outright. Slots keep the tree's own order. With either, a verify step runs the
 whole forward over bf16 bits (`trt_engines.cpu_forward`: RMSNorm, RoPE and the K/V writes, SwiGLU and the residual
 adds as a few numba calls per layer instead of ~60 small PyTorch ops; a plain step of SmolLM2-135M went from 33.9
-to 16.5 ms on a 2-core AVX2 CPU with the numba linear layers, `verify_cost.md` at c7fd3fb and 768bb92). Without bf16 dot-product instructions
-PyTorch's bf16 linear layers are not batch-invariant even in that form (on an AVX2 EPYC, "attention" and "torch"
-gave logits 0.125-0.25 apart between plain decoding and tree steps; the engine tests skip them there): only "numba",
-what "auto" picks there, is.
+to 16.5 ms on a 2-core AVX2 CPU with the numba linear layers, `verify_cost.md` at c7fd3fb and 768bb92). Without
+bf16 dot-product instructions PyTorch's bf16 linear layers are not batch-invariant even in that form (on an AVX2
+EPYC, "attention" and "torch" gave logits 0.125-0.25 apart between plain decoding and tree steps; the engine tests
+skip them there): only "numba", what "auto" picks there, is.
 
 PyTorch's kernels in batch-invariant numerics ("torch"): on the CPU with SmolLM2-135M, 82-92% of the speculating
 policies' outputs equal plain decoding's (39-60% with the fused kernels). Three parts:
