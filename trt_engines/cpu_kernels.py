@@ -327,8 +327,8 @@ def _times_tiles(xf, b, b_row, b_col, b_row_step, b_col_step, tiles, k_dim, out,
     Up to TILE_ROWS rows go in one pass per tile, or per two or four tiles where they are one to three rows
     (`_tiles_per_pass`: fewer chains would leave the FMA units waiting on each one's latency, and several weight
     streams at once also read memory faster). More rows go TILE_ROWS at a time, each tile meeting every group in
-    turn: the first reads it from memory, the rest from L1. (Splitting them evenly, 9 rows as 5 + 4, measured
-    5-10% slower than 6 + 3, though a pass of three rows costs about as much as one of four.)"""
+    turn: the first reads it from memory, the rest from L1. (Splitting them evenly, 9 rows as 5 + 4, was 5-10%
+    slower than 6 + 3 in a one-off A/B at 03d16e1, though a pass of three rows costs about as much as one of four.)"""
     rows = xf.shape[0]
     if rows <= TILE_ROWS:
         per_pass = _tiles_per_pass(rows)
@@ -354,9 +354,8 @@ def _linear_kernel(x: np.ndarray, packed: np.ndarray, bias: np.ndarray, out: np.
 
     Every output is one fused multiply-add chain over K in order, then + bias, then one rounding: the same bits
     whatever M is, where its row sits and which group it falls in (what makes rows batch-invariant). One row
-    streams the weights at memory speed; on the 2-core AVX2 EPYC each further row added ~10% of that (linear layers
-    of the whole model: 1 row ~11 ms, 6 rows ~16 ms, 9 rows ~23 ms), because the weight streaming and the extra
-    rows' arithmetic overlap only in part, even with the prefetches."""
+    streams the weights at memory speed; from about five rows on, the rows' FMAs set the time and the streaming
+    hides behind them (`benchmarks/results/linear_rows.md`)."""
     rows, k_dim = x.shape
     tiles = packed.shape[0] // k_dim
     xw = np.empty((rows, k_dim), np.uint32)
