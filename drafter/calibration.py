@@ -55,12 +55,14 @@ class Curve:
 
 def pav(y: np.ndarray, w: np.ndarray) -> np.ndarray:
     """Weighted isotonic (non-decreasing) regression by pool-adjacent-violators."""
-    return _pav(np.ascontiguousarray(y, dtype=np.float64), np.ascontiguousarray(w, dtype=np.float64))
+    return pav_kernel(np.ascontiguousarray(y, dtype=np.float64), np.ascontiguousarray(w, dtype=np.float64))
 
 
 @nb.njit(cache=True)
-def _pav(y: np.ndarray, w: np.ndarray) -> np.ndarray:
-    # a stack of pooled blocks (value, weight, size); the online recalibration refits ten of these per step
+def pav_kernel(y: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """`pav` on contiguous float64 arrays, callable from other kernels (the online recalibration refits ten of these
+    per step, `orchestrator.recalibration._fit_knots`)."""
+    # a stack of pooled blocks (value, weight, size)
     n = y.shape[0]
     vals, wts, sizes = np.empty(n), np.empty(n), np.empty(n, np.int64)
     top = 0

@@ -85,10 +85,12 @@ Opt-in (`per_request_acceptance=True`): each request's node probabilities are sc
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numba as nb
 import numpy as np
 
 from drafter.tree import DraftTree
@@ -206,7 +208,7 @@ class BudgetController:
     @property
     def draft_s_per_request(self) -> float:
         """Median of recent drafting seconds per request (robust to a slow first call or a noisy step)."""
-        return float(np.median(self._draft_s_per_request)) if self._draft_s_per_request else 0.0
+        return statistics.median(self._draft_s_per_request) if self._draft_s_per_request else 0.0
 
     def draft_cap(self, num_running: int) -> int:
         """Nodes per request to ask the drafter for before allocation."""
@@ -372,9 +374,9 @@ class BudgetController:
         probs = np.minimum(factors[owner] * values, 1.0)
         index = np.arange(owner.shape[0]) - starts[owner]
         value = weights[owner] * probs  # what a node is worth to the objective; `probs` stay the predictions
-        order = np.lexsort((index, owner, -value))
+        order = np.argsort(-value, kind="stable")  # ties: candidates are laid out by request, then parents first
         owner, probs, value, index = owner[order], probs[order], value[order], index[order]
-        rank_in_owner = _cumcount(owner)
+        rank_in_owner = _rank_within_groups(owner, b)
 
         # Drafting is part of this step's time (already spent, also for k = 0), so it stays in the denominator;
         # `gain` compares the result with plain decoding that drafts nothing, which steers the next steps' drafting.
@@ -423,40 +425,17 @@ class BudgetController:
         else:  # the grouped comparisons may have priced it already
             key = (ones + nodes).tobytes()
             predicted_s = priced[key] if key in priced else model.predict(ones + nodes, context)
-        by_owner = np.argsort(owner[keep], kind="stable")
-        chosen = np.split(index[keep][by_owner], np.cumsum(nodes)[:-1])  # per request: its chosen node indices
+        if b == 1:  # a lone request (cap 1): its nodes as ranked, without a sort and split per step
+            chosen = [index[keep]]
+        else:
+            by_owner = np.argsort(owner[keep], kind="stable")
+            chosen = np.split(index[keep][by_owner], np.cumsum(nodes)[:-1])  # per request: its chosen node indices
         return nodes, predicted_s, ones + expected_per_request, gain, chosen
 
     def _prefix_seconds(self, owner: np.ndarray, rank_in_owner: np.ndarray, context: np.ndarray,
                         plain_calls: float) -> np.ndarray:
-        """Model seconds of the step after adding the first k candidates (k = 0..len(owner)), without re-running the
-        model: linear and LM-head terms depend on the total token count only; attention changes one request at a
-        time (its own rows and keys; `padded`: every request pays for the deepest tree over the longest context)."""
-        model = self.step_model
-        b = context.shape[0]
-        k_max = owner.shape[0]
-        t_before = 1.0 + rank_in_owner
-        total = b + np.arange(k_max + 1, dtype=np.float64)
-        if model.attention_layout == "padded":
-            rows = np.maximum.accumulate(np.concatenate([[1.0], t_before + 1]))
-            keys = np.maximum.accumulate(np.concatenate([[float((context + 1).max(initial=1.0))],
-                                                         context[owner] + t_before + 1]))
-            attention = b * model.attention_seconds(rows, keys - rows)
-        else:
-            attn_delta = (model.attention_seconds(t_before + 1, context[owner])
-                          - model.attention_seconds(t_before, context[owner]))
-            attention = (model.attention_seconds(np.ones(b), context).sum()
-                         + np.concatenate([[0.0], np.cumsum(attn_delta)]))
-        features = np.stack([
-            np.ones(k_max + 1),
-            model.linear_seconds(total),
-            attention,
-            model.lm_head_seconds(total),
-            total,
-            # priced as packed while choosing (see `allocate`): the plain step's calls, whatever is added
-            np.full(k_max + 1, plain_calls),
-        ], axis=1)
-        return features @ model.coefficients
+        """Model seconds of the step after adding the first k candidates (k = 0..len(owner))."""
+        return self.step_model.prefix_seconds(context, context[owner], rank_in_owner, plain_calls)
 
     def _corrected(self, model_s: np.ndarray) -> np.ndarray:
         """The prefix curve's step times (`model_s[0]`: no nodes), corrected by what such steps measured."""
@@ -496,14 +475,14 @@ _COST_PRIOR = np.array([1.0, 0.1, 0.1, 0.0125, 0.0125])
 def _speculation_cost_line(sums: np.ndarray) -> tuple[float, float]:
     """Intercept >= 0 and slope in [0.25, 8] of y on x from decayed sums [1, x, y, x^2, xy], with a light ridge
     toward (0, 1) so that steps of one size (an intercept and a slope cannot be told apart) stay solvable."""
-    n, sx, sy, sxx, sxy = sums
+    n, sx, sy, sxx, sxy = sums.tolist()  # Python floats: the same arithmetic, without numpy's per-scalar overhead
     ridge_intercept, ridge_slope = 1e-6, 1e-6
     det = (n + ridge_intercept) * (sxx + ridge_slope) - sx * sx
     intercept = (sy * (sxx + ridge_slope) - sx * (sxy + ridge_slope)) / det
     slope = ((n + ridge_intercept) * (sxy + ridge_slope) - sx * sy) / det
     if intercept < 0:  # speculating cannot make a step cheaper than plain: a line through the origin
         intercept, slope = 0.0, (sxy + ridge_slope) / (sxx + ridge_slope)
-    return float(min(intercept, 1.0)), float(np.clip(slope, 0.25, 8.0))
+    return min(intercept, 1.0), min(max(slope, 0.25), 8.0)
 
 
 def _drain_weights(remaining_steps: np.ndarray) -> np.ndarray:
@@ -528,14 +507,12 @@ def _node_sources(trees: Sequence[DraftTree]) -> np.ndarray:
     return np.concatenate([t.source for t in trees] + [np.empty(0, np.int16)])
 
 
-def _cumcount(groups: np.ndarray) -> np.ndarray:
-    """For each element, how many earlier elements share its group (0 for the first)."""
-    if groups.size == 0:
-        return np.zeros(0)
-    order = np.argsort(groups, kind="stable")
-    sorted_groups = groups[order]
-    starts = np.concatenate([[0], np.flatnonzero(np.diff(sorted_groups)) + 1])
-    run_start = np.repeat(starts, np.diff(np.concatenate([starts, [groups.size]])))
-    counts = np.empty(groups.size, dtype=np.float64)
-    counts[order] = np.arange(groups.size) - run_start
-    return counts
+@nb.njit(cache=True)
+def _rank_within_groups(groups: np.ndarray, n_groups: int) -> np.ndarray:
+    """For each element, how many earlier elements share its group (0 for the first); groups in [0, n_groups)."""
+    seen = np.zeros(n_groups, np.int64)
+    ranks = np.empty(groups.size)
+    for i in range(groups.size):
+        ranks[i] = seen[groups[i]]
+        seen[groups[i]] += 1
+    return ranks

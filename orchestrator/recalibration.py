@@ -35,7 +35,7 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-from drafter.calibration import pav
+from drafter.calibration import pav_kernel
 
 _EDGES = np.array([0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0])
 DEPTH_BUCKET_STARTS = np.array([1, 2, 3, 4, 6])  # bucket i holds depths [starts[i], starts[i + 1])
@@ -45,19 +45,6 @@ DEPTH_BUCKET_STARTS = np.array([1, 2, 3, 4, 6])  # bucket i holds depths [starts
 # replayed (set, cap) group was at 0.99x or above (20 and 40 gave the same within 2%).
 _BUCKET_PRIOR = 10.0
 N_BUCKETS = 2 * DEPTH_BUCKET_STARTS.size  # depth buckets of the request's own index (source 0), then of the rest
-
-
-def depth_bucket(depths: np.ndarray) -> np.ndarray:
-    return np.clip(np.searchsorted(DEPTH_BUCKET_STARTS, depths, side="right") - 1, 0, DEPTH_BUCKET_STARTS.size - 1)
-
-
-def node_bucket(depths: np.ndarray, sources: np.ndarray | None = None) -> np.ndarray:
-    """Cell row of each node: its depth bucket, offset for nodes retrieved from elsewhere than the request's own
-    index (datastores, output history). None: every node counts as the request's own."""
-    buckets = depth_bucket(np.asarray(depths))
-    if sources is None:
-        return buckets
-    return buckets + DEPTH_BUCKET_STARTS.size * (np.asarray(sources) > 0)
 
 
 class OnlineRecalibration:
@@ -79,23 +66,22 @@ class OnlineRecalibration:
     def __call__(self, probs: np.ndarray, depths: np.ndarray, sources: np.ndarray | None = None) -> np.ndarray:
         """Expected acceptance of nodes with these calibrated path probabilities, depths and sources, as recently
         realized."""
-        probs = np.asarray(probs, dtype=np.float64)
-        buckets = node_bucket(depths, sources)
-        out = np.empty_like(probs)
-        if self._stale and probs.size:
-            self._refit()
-        for bucket in np.unique(buckets):
-            mask = buckets == bucket
-            out[mask] = np.interp(probs[mask], self._knots_x, self._knots_y[bucket])
-        return out
+        return self._values(probs, depths, sources, None)
 
     def tree_values(self, probs: np.ndarray, depths: np.ndarray, parents: np.ndarray,
                     sources: np.ndarray | None = None) -> np.ndarray:
         """Recalibrated values of the nodes of trees laid end to end (`parents`: global indices, -1 for a root's
         child, every parent before its children), each capped at its parent's: a path's values never increase."""
-        values = self(probs, depths, sources)
-        _cap_at_parents(values, np.asarray(parents, dtype=np.int64))
-        return values
+        return self._values(probs, depths, sources, np.ascontiguousarray(parents, dtype=np.int64))
+
+    def _values(self, probs, depths, sources, parents) -> np.ndarray:
+        # one kernel call: the budget controller values every candidate node of the batch on every step
+        probs = np.ascontiguousarray(probs, dtype=np.float64)
+        if self._stale and probs.size:
+            self._refit()
+        return _interpolate(probs, np.ascontiguousarray(depths, dtype=np.int64), _as_sources(sources),
+                            _NO_PARENTS if parents is None else parents, DEPTH_BUCKET_STARTS, self._knots_x,
+                            self._knots_y)
 
     @property
     def ratios(self) -> np.ndarray:
@@ -125,32 +111,78 @@ class OnlineRecalibration:
         if not probs.shape == depths.shape == accepted.shape:
             raise ValueError(f"probs {probs.shape}, depths {depths.shape} and accepted {accepted.shape} must have "
                              "the same shape")
-        self._predicted *= self.decay
-        self._realized *= self.decay
-        self._nodes *= self.decay
-        if probs.size:
-            n = self.centers.size
-            bins = np.clip(np.searchsorted(_EDGES, probs, side="right") - 1, 0, n - 1)
-            cells = node_bucket(depths, sources) * n + bins
-            size = self._nodes.size
-            self._predicted += np.bincount(cells, weights=probs, minlength=size).reshape(self._nodes.shape)
-            self._realized += np.bincount(cells, weights=accepted, minlength=size).reshape(self._nodes.shape)
-            self._nodes += np.bincount(cells, minlength=size).reshape(self._nodes.shape)
+        _decay_and_add(self._predicted, self._realized, self._nodes, self.decay, probs,
+                       np.ascontiguousarray(depths, dtype=np.int64), _as_sources(sources), accepted,
+                       DEPTH_BUCKET_STARTS, _EDGES)
         self._stale = True
 
     def _refit(self) -> None:
         """Each bucket's map from the current sums: fitted when next used, not after every step (a controller that
         drafts nothing for a while observes many steps and reads no map)."""
-        ratios = self.ratios
-        for bucket in range(ratios.shape[0]):
-            rates = pav(np.minimum(self.centers * ratios[bucket], 1.0), self._nodes[bucket] + self.prior_nodes)
-            top = float(np.clip(ratios[bucket, -1], rates[-1], 1.0))  # a calibrated 1.0 scaled by the top bin's ratio
-            self._knots_y[bucket] = np.concatenate([[0.0], rates, [top]])
+        _fit_knots(self.centers, self.ratios, self._nodes, self.prior_nodes, self._knots_y)
         self._stale = False
 
 
+_NO_PARENTS = np.zeros(0, np.int64)
+
+
+def _as_sources(sources: np.ndarray | None) -> np.ndarray:
+    """Node sources for the kernels; empty (None given): every node is the request's own."""
+    return np.zeros(0, np.int64) if sources is None else np.ascontiguousarray(sources, dtype=np.int64)
+
+
 @nb.njit(cache=True)
-def _cap_at_parents(values: np.ndarray, parents: np.ndarray) -> None:
-    for i in range(values.shape[0]):
-        if parents[i] >= 0 and values[parents[i]] < values[i]:
-            values[i] = values[parents[i]]
+def _bucket(depth, source, bucket_starts):
+    """Cell row of a node: its depth bucket, offset for a node retrieved from elsewhere than the request's own index
+    (datastores, output history: source > 0)."""
+    bucket = 0
+    while bucket + 1 < bucket_starts.size and bucket_starts[bucket + 1] <= depth:
+        bucket += 1
+    return bucket + bucket_starts.size if source > 0 else bucket
+
+
+@nb.njit(cache=True)
+def _fit_knots(centers, ratios, nodes, prior_nodes, knots_y) -> None:
+    """Each bucket's knots in place: 0, its bins' corrected rates at their centres (made non-decreasing, each bin
+    weighted by its evidence), and at 1.0 the top bin's ratio."""
+    for bucket in range(ratios.shape[0]):
+        rates = pav_kernel(np.minimum(centers * ratios[bucket], 1.0), nodes[bucket] + prior_nodes)
+        knots_y[bucket, 0] = 0.0
+        knots_y[bucket, 1:-1] = rates
+        knots_y[bucket, -1] = min(max(ratios[bucket, -1], rates[-1]), 1.0)
+
+
+@nb.njit(cache=True)
+def _decay_and_add(predicted, realized, nodes, decay, probs, depths, sources, accepted, bucket_starts, edges) -> None:
+    """Decay every cell's sums, then add one step's nodes, each to its [bucket, probability bin] cell."""
+    n_bins = edges.size - 1
+    step_predicted = np.zeros(predicted.shape)
+    step_realized = np.zeros(predicted.shape)
+    step_nodes = np.zeros(predicted.shape)
+    for i in range(probs.size):
+        bucket = _bucket(depths[i], sources[i] if sources.size else 0, bucket_starts)
+        edge = 0
+        while edge + 1 < edges.size and edges[edge + 1] <= probs[i]:
+            edge += 1
+        cell = min(edge, n_bins - 1)
+        step_predicted[bucket, cell] += probs[i]
+        step_realized[bucket, cell] += accepted[i]
+        step_nodes[bucket, cell] += 1.0
+    for bucket in range(predicted.shape[0]):
+        for cell in range(n_bins):
+            predicted[bucket, cell] = predicted[bucket, cell] * decay + step_predicted[bucket, cell]
+            realized[bucket, cell] = realized[bucket, cell] * decay + step_realized[bucket, cell]
+            nodes[bucket, cell] = nodes[bucket, cell] * decay + step_nodes[bucket, cell]
+
+
+@nb.njit(cache=True)
+def _interpolate(probs, depths, sources, parents, bucket_starts, knots_x, knots_y) -> np.ndarray:
+    """Each node's value on its bucket's map (`_bucket`; empty `sources`: every node the request's own), capped
+    at its parent's value where `parents` is not empty (global indices, parents first)."""
+    out = np.empty(probs.size)
+    for i in range(probs.size):
+        bucket = _bucket(depths[i], sources[i] if sources.size else 0, bucket_starts)
+        out[i] = np.interp(probs[i], knots_x, knots_y[bucket])
+        if parents.size and parents[i] >= 0 and out[parents[i]] < out[i]:
+            out[i] = out[parents[i]]
+    return out

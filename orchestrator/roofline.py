@@ -34,6 +34,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numba as nb
 import numpy as np
 
 from trt_engines.attention_groups import plan_attention_groups
@@ -183,6 +184,9 @@ class StepTimeModel:
         self._lm_head_rates = (2 * h * v / peak, e * v * h / bw, e * (h + v) / bw)
         # attention, per layer: FLOPs 4 t (c + t) hq; bytes e (2 (c + t) hkv + 2 t hq)
         self._attention_rates = (4 * hq / peak, e * 2 * hkv / bw, e * 2 * hq / bw)
+        # the same rates as one array for `_prefix_features`: 3 linear operators, the all-reduce, LM head, attention
+        self._rate_table = np.array([*(r for rates in self._linear_rates for r in rates), self._allreduce_s_per_token,
+                                     *self._lm_head_rates, *self._attention_rates], dtype=np.float64)
 
     def linear_seconds(self, total_tokens) -> np.ndarray:
         T = np.asarray(total_tokens, dtype=np.float64)
@@ -209,12 +213,14 @@ class StepTimeModel:
     def _attention_terms(self, tokens, context) -> tuple[float, float]:
         t = np.asarray(tokens, dtype=np.float64)
         c = np.asarray(context, dtype=np.float64)
+        one_call = self.attention_layout == "padded" or self.attention_layout == "grouped" and t.size == 1
+        if one_call and t.size:
+            # one call (a lone request, or a padded batch): its deepest tree's rows over its longest context's keys
+            rows = t.max()
+            return float(t.size * self.attention_seconds(rows, (c + t).max() - rows)), 0.0
         if self.attention_layout == "packed" or t.size == 0:
             return float(self.attention_seconds(t, c).sum()), 0.0
-        if self.attention_layout == "padded":
-            groups = [np.arange(t.size)]
-        else:
-            groups = plan_attention_groups(np.rint(t).astype(np.int64), np.rint(c + t).astype(np.int64))
+        groups = plan_attention_groups(np.rint(t).astype(np.int64), np.rint(c + t).astype(np.int64))
         # every request of a call: its deepest tree's query rows over its longest context's keys (one vectorised
         # pass over the calls: the budget controller prices a dozen candidate steps per step this way)
         sizes = np.array([g.size for g in groups])
@@ -241,6 +247,24 @@ class StepTimeModel:
             total,
             extra_calls,
         ])
+
+    def prefix_seconds(self, context: np.ndarray, candidate_context: np.ndarray, candidate_rank: np.ndarray,
+                       attention_calls: float) -> np.ndarray:
+        """Seconds of one step of plain decoding (`context`: cached tokens per request) after adding its first k
+        candidate tokens, for k = 0..n at once: candidate i is the `candidate_rank[i]`-th added to a request with
+        `candidate_context[i]` cached tokens. Linear and LM-head terms depend on the total token count only, and
+        each candidate changes one request's attention (its own rows and keys), so no prefix re-runs the model.
+        "padded": every request pays for the deepest tree over the longest context. Otherwise each request is priced
+        alone (packed), with `attention_calls` extra attention calls whatever is added (the budget controller
+        prices grouping separately)."""
+        padded = self.attention_layout == "padded"
+        context = np.asarray(context, dtype=np.float64)
+        plain_attention = 0.0 if padded else float(self.attention_seconds(np.ones(context.shape[0]), context).sum())
+        features = _prefix_features(self._rate_table, self.shape.n_layers, context.shape[0], padded,
+                                    float((context + 1).max(initial=1.0)), plain_attention, float(attention_calls),
+                                    np.ascontiguousarray(candidate_context, dtype=np.float64),
+                                    np.ascontiguousarray(candidate_rank, dtype=np.float64))
+        return features @ self.coefficients
 
     def predict(self, tokens, context) -> float:
         """Predicted seconds for one step; `tokens[i]` new tokens of request i over `context[i]` cached ones."""
@@ -297,6 +321,44 @@ class StepTimeModel:
     def free_budget(self) -> float:
         """Tokens per step (b*s) at which the linear layers turn compute-bound: peak * bytes / (2 * bandwidth)."""
         return self.hardware.flops(self.dtype) * DTYPE_BYTES[self.dtype] / (2 * self.hardware.mem_bandwidth)
+
+
+@nb.njit(cache=True)
+def _attention_one(rates, n_layers, tokens, context):
+    """`StepTimeModel.attention_seconds` of one request (the same operations, so the same bits)."""
+    keys = tokens + context
+    per_layer = max(rates[13] * tokens * keys, rates[14] * keys + rates[15] * tokens)
+    return n_layers * per_layer if tokens > 0 else 0.0
+
+
+@nb.njit(cache=True)
+def _prefix_features(rates, n_layers, batch, padded, longest_keys, plain_attention, attention_calls,
+                     candidate_context, candidate_rank):
+    """Feature rows [1, linear, attention, LM head, T, extra calls] of `StepTimeModel.prefix_seconds`' steps."""
+    n = candidate_context.shape[0]
+    features = np.empty((n + 1, 6))
+    attention = plain_attention
+    rows, keys = 1.0, longest_keys
+    for k in range(n + 1):
+        total = batch + float(k)
+        linear = 0.0
+        for op in range(3):
+            linear = linear + max(rates[3 * op] * total, rates[3 * op + 1] + rates[3 * op + 2] * total)
+        if k > 0:
+            before = 1.0 + candidate_rank[k - 1]
+            if padded:
+                rows = max(rows, before + 1)
+                keys = max(keys, candidate_context[k - 1] + before + 1)
+            else:
+                attention = attention + (_attention_one(rates, n_layers, before + 1, candidate_context[k - 1])
+                                         - _attention_one(rates, n_layers, before, candidate_context[k - 1]))
+        features[k, 0] = 1.0
+        features[k, 1] = n_layers * (linear + rates[9] * total)
+        features[k, 2] = batch * _attention_one(rates, n_layers, rows, keys - rows) if padded else attention
+        features[k, 3] = max(rates[10] * total, rates[11] + rates[12] * total)
+        features[k, 4] = total
+        features[k, 5] = attention_calls
+    return features
 
 
 def step_coefficients(values) -> np.ndarray:

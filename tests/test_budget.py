@@ -490,6 +490,24 @@ def test_goodput_predicts_the_step_it_chooses(layout):
         assert decision.predicted_step_s == pytest.approx(model.predict(1.0 + decision.nodes, context), rel=1e-9)
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(["packed", "padded"]), st.lists(st.integers(0, 8000), min_size=1, max_size=12),
+       st.lists(st.integers(0, 11), max_size=60))
+def test_every_prefix_of_the_candidates_is_priced_as_its_own_step(layout, context, owners):
+    # `prefix_seconds` prices all prefixes of the candidate order incrementally; each must be the step-time model's
+    # prediction of that step composed from scratch (the grouped layout prices candidates packed while choosing).
+    model = StepTimeModel(LLAMA_8B, KNOWN_HARDWARE["H100-SXM"], attention_layout=layout,
+                          coefficients=[0.002, 0.9, 1.3, 1.1, 1e-6, 0.0])
+    context = np.array(context, dtype=np.float64)
+    owner = np.array([o % context.size for o in owners], dtype=np.int64)
+    rank = np.array([np.sum(owner[:i] == o) for i, o in enumerate(owner)], dtype=np.float64)
+    prefix = model.prefix_seconds(context, context[owner], rank, 0.0)
+    assert prefix.shape == (owner.size + 1,)
+    for k in range(owner.size + 1):
+        tokens = 1.0 + np.bincount(owner[:k], minlength=context.size)
+        assert prefix[k] == pytest.approx(model.predict(tokens, context), rel=1e-12)
+
+
 @pytest.mark.parametrize("shape, coefficients, batches, contexts", [
     # Llama-8B at long contexts, attention compute-bound (rows cost): batches above MAX_GROUPS share padded calls
     (LLAMA_8B, [0.002, 0.2, 20.0, 0.2, 0.0, 0.0], (5, 13), (1024, 8192)),
