@@ -1,6 +1,6 @@
 """What each extra row costs the CPU linear kernel (`trt_engines.cpu_kernels.Bf16Linear`): every linear layer of the
-default model (its shapes, random bf16 weights: values do not change the time) at 1..9 input rows, i.e. a verify step
-of 0..8 draft tokens for one request, and one gate/up projection with its weights in cache (3.5 MB, in L3), where the
+default model (its shapes, random bf16 weights: values do not change the time) at 1..12 input rows, i.e. a verify
+step of 0..11 draft tokens for one request (or a few requests' small trees), and one gate/up projection with its weights in cache (3.5 MB, in L3), where the
 rows' FMAs alone set the time (a smaller layer would time the threads' start-up instead).
 
     .venv/bin/python -m benchmarks.linear_rows [--rounds 40]
@@ -24,7 +24,7 @@ from orchestrator.roofline import ModelShape
 from trt_engines.cpu_kernels import Bf16Linear, bf16_bits, cpu_description
 from trt_engines.prepare import resolve_model_dir
 
-ROWS = tuple(range(1, 10))
+ROWS = tuple(range(1, 13))
 IN_CACHE_CALLS = 50
 
 

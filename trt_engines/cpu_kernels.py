@@ -327,22 +327,33 @@ def _times_tiles(xf, b, b_row, b_col, b_row_step, b_col_step, tiles, k_dim, out,
     Up to TILE_ROWS rows go in one pass per tile, or per two or four tiles where they are one to three rows
     (`_tiles_per_pass`: fewer chains would leave the FMA units waiting on each one's latency, and several weight
     streams at once also read memory faster). More rows go TILE_ROWS at a time, each tile meeting every group in
-    turn: the first reads it from memory, the rest from L1. (Splitting them evenly, 9 rows as 5 + 4, was 5-10%
-    slower than 6 + 3 in a one-off A/B at 03d16e1, though a pass of three rows costs about as much as one of four.)"""
+    turn: the first reads it from memory, the rest from L1; then the remaining rows go over the tiles as a group of
+    their own, several tiles per pass again (from L2). One tile per pass for them made a seventh row cost as much as
+    three: a lone row's pass is two FMA chains, latency-bound (`benchmarks/results/linear_rows.md`). (Splitting
+    rows evenly, 9 as 5 + 4, was 5-10% slower than 6 + 3 in a one-off A/B at 03d16e1.)"""
     rows = xf.shape[0]
     if rows <= TILE_ROWS:
-        per_pass = _tiles_per_pass(rows)
-        t = 0
-        while t < tiles:
-            take = per_pass if t + per_pass <= tiles else 1
-            _products(b, b_row + t * b_row_step, b_col + t * b_col_step, b_row_step, b_col_step, xf, 0, k_dim,
-                      out, out_col + t * LANES, rows, take)
-            t += take
+        _rows_times_tiles(xf, b, b_row, b_col, b_row_step, b_col_step, tiles, k_dim, out, out_col, 0, rows)
         return
+    full = rows - rows % TILE_ROWS
     for t in range(tiles):
-        for m0 in range(0, rows, TILE_ROWS):
+        for m0 in range(0, full, TILE_ROWS):
             _products(b, b_row + t * b_row_step, b_col + t * b_col_step, 0, 0, xf, m0, k_dim, out,
-                      out_col + t * LANES, min(TILE_ROWS, rows - m0), 1)
+                      out_col + t * LANES, TILE_ROWS, 1)
+    if full < rows:  # the rest as a group of its own: one to five rows take several tiles per pass, like a batch
+        _rows_times_tiles(xf, b, b_row, b_col, b_row_step, b_col_step, tiles, k_dim, out, out_col, full, rows - full)
+
+
+@njit(inline="always")
+def _rows_times_tiles(xf, b, b_row, b_col, b_row_step, b_col_step, tiles, k_dim, out, out_col, m0, rows):
+    """`_times_tiles` for rows m0 .. m0 + rows - 1 (at most TILE_ROWS), `_tiles_per_pass(rows)` tiles per pass."""
+    per_pass = _tiles_per_pass(rows)
+    t = 0
+    while t < tiles:
+        take = per_pass if t + per_pass <= tiles else 1
+        _products(b, b_row + t * b_row_step, b_col + t * b_col_step, b_row_step, b_col_step, xf, m0, k_dim,
+                  out, out_col + t * LANES, rows, take)
+        t += take
 
 
 @njit(parallel=True, boundscheck=False, cache=_CACHE)
