@@ -77,11 +77,13 @@ class OnlineRecalibration:
     def _values(self, probs, depths, sources, parents) -> np.ndarray:
         # one kernel call: the budget controller values every candidate node of the batch on every step
         probs = np.ascontiguousarray(probs, dtype=np.float64)
+        depths = np.ascontiguousarray(depths, dtype=np.int64)
+        sources = _as_sources(sources)
+        _check_nodes(probs, depths, sources, parents=_NO_PARENTS if parents is None else parents)
         if self._stale and probs.size:
             self._refit()
-        return _interpolate(probs, np.ascontiguousarray(depths, dtype=np.int64), _as_sources(sources),
-                            _NO_PARENTS if parents is None else parents, DEPTH_BUCKET_STARTS, self._knots_x,
-                            self._knots_y)
+        return _interpolate(probs, depths, sources, _NO_PARENTS if parents is None else parents, DEPTH_BUCKET_STARTS,
+                            self._knots_x, self._knots_y)
 
     @property
     def ratios(self) -> np.ndarray:
@@ -111,8 +113,9 @@ class OnlineRecalibration:
         if not probs.shape == depths.shape == accepted.shape:
             raise ValueError(f"probs {probs.shape}, depths {depths.shape} and accepted {accepted.shape} must have "
                              "the same shape")
-        _decay_and_add(self._predicted, self._realized, self._nodes, self.decay, probs,
-                       np.ascontiguousarray(depths, dtype=np.int64), _as_sources(sources), accepted,
+        depths, sources = np.ascontiguousarray(depths, dtype=np.int64), _as_sources(sources)
+        _check_nodes(probs, depths, sources)
+        _decay_and_add(self._predicted, self._realized, self._nodes, self.decay, probs, depths, sources, accepted,
                        DEPTH_BUCKET_STARTS, _EDGES)
         self._stale = True
 
@@ -129,6 +132,18 @@ _NO_PARENTS = np.zeros(0, np.int64)
 def _as_sources(sources: np.ndarray | None) -> np.ndarray:
     """Node sources for the kernels; empty (None given): every node is the request's own."""
     return np.zeros(0, np.int64) if sources is None else np.ascontiguousarray(sources, dtype=np.int64)
+
+
+def _check_nodes(probs: np.ndarray, depths: np.ndarray, sources: np.ndarray, parents: np.ndarray = _NO_PARENTS):
+    """The kernels index these arrays per node without bounds checks: one 1-D length for all (empty sources and
+    parents: none given), and every parent before its child."""
+    n = probs.shape[0] if probs.ndim == 1 else -1
+    mismatched = [a for a in (sources, parents) if a.size and a.shape != (n,)]
+    if n < 0 or depths.shape != (n,) or mismatched:
+        raise ValueError(f"per-node arrays must be 1-D and of one length: probs {probs.shape}, depths {depths.shape}, "
+                         f"sources {sources.shape}, parents {parents.shape}")
+    if parents.size and np.any(parents >= np.arange(n)):
+        raise ValueError("every node's parent must come before it (parents[i] < i, -1 for the root's children)")
 
 
 @nb.njit(cache=True)

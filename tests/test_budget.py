@@ -243,6 +243,17 @@ def test_recalibration_corrects_each_probability_band_on_its_own():
     assert depth1(np.array([0.65])) == pytest.approx([0.65], abs=0.01)
     with pytest.raises(ValueError, match="same shape"):
         recalibration.observe(np.ones(2), np.ones(2, np.int32), np.ones(3))
+    # the lookups run in kernels without bounds checks: mismatched arrays and out-of-order parents are refused
+    before = recalibration(grid, np.ones(grid.size, np.int32))
+    with pytest.raises(ValueError, match="one length"):
+        recalibration.observe(np.ones(2), np.ones(2, np.int32), np.ones(2), np.zeros(5, np.int16))
+    with pytest.raises(ValueError, match="one length"):
+        recalibration(np.ones(3), np.ones(2, np.int32))
+    with pytest.raises(ValueError, match="one length"):
+        recalibration.tree_values(np.ones(3), np.ones(3, np.int32), np.array([-1, 0]))
+    with pytest.raises(ValueError, match="before it"):
+        recalibration.tree_values(np.ones(3), np.ones(3, np.int32), np.array([-1, 2, 0]))
+    assert np.array_equal(recalibration(grid, np.ones(grid.size, np.int32)), before)  # nothing observed or lost
     with pytest.raises(ValueError, match="decay"):
         OnlineRecalibration(decay=0.0)
 
