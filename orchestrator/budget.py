@@ -67,8 +67,9 @@ Closed loop (`observe`, called by the orchestrator after every step):
   at commit 91cd3dd), and 0.96-0.98 in each of 3 rounds with the register-blocked kernels (the file at d67abef;
   1.03 in the full run's single round before it, which was noise: one round does not settle this group; 1.02 in
   the single round of the full run at e7bdfc6, 0.98 in that of 0d7fadc, whose fused verify forward made plain
-  steps about twice as fast, and 0.978 in that of 03d16e1, where both spent the same time in verify steps and the
-  gap was prefills measured 6% slower for the same work; none re-measured in rounds).
+  steps about twice as fast, 0.978 in that of 03d16e1, where both spent the same time in verify steps and the
+  gap was prefills measured 6% slower for the same work, and 0.992 in that of b675a32: the same verify time again,
+  prefills 2.5% slower and 0.10 s of probing drafts; none re-measured in rounds).
 
 - per-request ceiling: at most max(4, T / b) nodes per request, T = the larger of `batch_node_ceiling` (64) and
   the roofline's free token budget (SSSD's knee: ~12 tokens on this CPU, ~295 for bf16 on an H100). The calibrated
@@ -339,9 +340,9 @@ class BudgetController:
                                       node_sources=_node_sources(pruned))
 
     def _plain_decision(self, context: np.ndarray, base_s: float, request_ids: Sequence | None) -> BudgetDecision:
-        """`_goodput_nodes`' answer when there is no candidate, without its machinery (half a millisecond per step,
-        which a backed-off batch would pay for nothing): zero nodes, and the gain of a plain step that paid for
-        drafting, `plain / (plain + drafting) - 1`."""
+        """`_goodput_nodes`' answer when there is no candidate, without its machinery (half a millisecond per step
+        before 9fe0ad3, a few hundred microseconds since, which a backed-off batch would pay for nothing): zero
+        nodes, and the gain of a plain step that paid for drafting, `plain / (plain + drafting) - 1`."""
         b = context.shape[0]
         grouped = self.step_model.attention_layout == "grouped"
         # the prefix curve's plain step: priced packed, which only a grouped layout prices differently from `predict`
