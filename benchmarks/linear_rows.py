@@ -1,7 +1,8 @@
 """What each extra row costs the CPU linear kernel (`trt_engines.cpu_kernels.Bf16Linear`): every linear layer of the
 default model (its shapes, random bf16 weights: values do not change the time) at 1..12 input rows, i.e. a verify
-step of 0..11 draft tokens for one request (or a few requests' small trees), and one gate/up projection with its weights in cache (3.5 MB, in L3), where the
-rows' FMAs alone set the time (a smaller layer would time the threads' start-up instead).
+step of 0..11 draft tokens for one request (or a few requests' small trees), and one gate/up projection with its
+weights in cache (3.5 MB, in L3), where the rows' FMAs alone set the time (a smaller layer would time the threads'
+start-up instead).
 
     .venv/bin/python -m benchmarks.linear_rows [--rounds 40]
 

@@ -328,9 +328,10 @@ def _times_tiles(xf, b, b_row, b_col, b_row_step, b_col_step, tiles, k_dim, out,
     (`_tiles_per_pass`: fewer chains would leave the FMA units waiting on each one's latency, and several weight
     streams at once also read memory faster). More rows go TILE_ROWS at a time, each tile meeting every group in
     turn: the first reads it from memory, the rest from L1; then the remaining rows go over the tiles as a group of
-    their own, several tiles per pass again (from L2). One tile per pass for them made a seventh row cost as much as
-    three: a lone row's pass is two FMA chains, latency-bound (`benchmarks/results/linear_rows.md`). (Splitting
-    rows evenly, 9 as 5 + 4, was 5-10% slower than 6 + 3 in a one-off A/B at 03d16e1.)"""
+    their own, as many tiles per pass as that many rows take alone (from L2). One tile per pass for them made a
+    seventh row cost 5.4 ms over the model's linear layers, about three rows' arithmetic: a lone row's pass is two
+    FMA chains, latency-bound (`linear_rows.md` at 6810b85). (Splitting rows evenly, 9 as 5 + 4, was 5-10% slower
+    than 6 + 3 in a one-off A/B at 03d16e1.)"""
     rows = xf.shape[0]
     if rows <= TILE_ROWS:
         _rows_times_tiles(xf, b, b_row, b_col, b_row_step, b_col_step, tiles, k_dim, out, out_col, 0, rows)
@@ -340,7 +341,7 @@ def _times_tiles(xf, b, b_row, b_col, b_row_step, b_col_step, tiles, k_dim, out,
         for m0 in range(0, full, TILE_ROWS):
             _products(b, b_row + t * b_row_step, b_col + t * b_col_step, 0, 0, xf, m0, k_dim, out,
                       out_col + t * LANES, TILE_ROWS, 1)
-    if full < rows:  # the rest as a group of its own: one to five rows take several tiles per pass, like a batch
+    if full < rows:  # the rest as a group of its own (one to three rows: several tiles per pass)
         _rows_times_tiles(xf, b, b_row, b_col, b_row_step, b_col_step, tiles, k_dim, out, out_col, full, rows - full)
 
 
