@@ -5,12 +5,13 @@ instructions, and batch-invariant tree attention for every CPU (`TorchEngine(cpu
 Without AVX512-BF16 or AMX, PyTorch's bf16 matmuls on the CPU fall back to a slow path: on a 2-core AVX2 EPYC a
 16-row bf16 linear layer ran at ~16 GFLOP/s (one of SmolLM2's MLP projections: 3.5 ms for 16 rows, 0.47 ms for 2),
 and its batched attention matmuls likewise, so verifying a 15-node tree cost 6.6x a plain step. These kernels read
-the bf16 weights and KV cache as raw bits, widen them to fp32 in registers and accumulate in fp32 (what bf16 GEMMs
-do). Their matrix products run on one register-blocked micro-kernel (`_tile_products`, in LLVM IR: up to six rows
-times 2 x `VECTOR_FLOATS` outputs, or one to three rows times four or two times that, per pass over the shared
-dimension, accumulators in registers; 8-float vectors on AVX2, 16 on AVX-512, the same bits either way), so a
-verify step's extra rows cost compute at close to the FMA units' rate rather than loads and horizontal sums;
-`verify_cost.md` has the step times. `TorchEngine(cpu_kernels=...)` decides where they run.
+the bf16 weights (paired into uint32s, `Bf16Linear`) and KV cache as raw bits, widen them to fp32 in registers and
+accumulate in fp32 (what bf16 GEMMs do). Their matrix products run on one register-blocked micro-kernel
+(`_tile_products`, in LLVM IR: up to six rows times 2 x `VECTOR_FLOATS` outputs, or one or two rows (three over
+fp32 values) times four or two times that, per pass over the shared dimension, accumulators in registers; 8-float
+vectors on AVX2, 16 on AVX-512, the same bits either way), so a verify step's extra rows cost compute at close to
+the FMA units' rate rather than loads and horizontal sums; `verify_cost.md` has the step times.
+`TorchEngine(cpu_kernels=...)` decides where they run.
 
 Both are batch-invariant by construction, which is what lossless bf16 speculation needs (`torch_engine` docstring):
 
@@ -347,14 +348,14 @@ def _times_tiles(xf, b, b_row, b_col, b_row_step, b_col_step, tiles, k_dim, out,
     """For t < tiles: out[:, out_col + t * LANES:][:, :LANES] = xf[:, :k_dim] @ (tile t of b: k_dim rows from
     b_row + t * b_row_step, LANES columns from b_col + t * b_col_step), for every row of xf.
 
-    Up to TILE_ROWS rows go in one pass per tile, or per two or four tiles where they are one to three rows
-    (`_tiles_per_pass`: fewer chains would leave the FMA units waiting on each one's latency, and several weight
-    streams at once also read memory faster). More rows go TILE_ROWS at a time, each tile meeting every group in
-    turn: the first reads it from memory, the rest from L1; then the remaining rows go over the tiles as a group of
-    their own, as many tiles per pass as that many rows take alone (from L2). One tile per pass for them made a
-    seventh row cost 5.4 ms over the model's linear layers, about three rows' arithmetic: a lone row's pass is two
-    FMA chains, latency-bound (`linear_rows.md` at 6810b85). (Splitting rows evenly, 9 as 5 + 4, was 5-10% slower
-    than 6 + 3 in a one-off A/B at 03d16e1.)"""
+    Up to TILE_ROWS rows go in one pass per tile, or per two or four tiles where they are one or two rows, or three
+    over fp32 b (`_tiles_per_pass`: fewer chains would leave the FMA units waiting on each one's latency, and
+    several weight streams at once also read memory faster). More rows go TILE_ROWS at a time, each tile meeting
+    every group in turn: the first reads it from memory, the rest from L1; then the remaining rows go over the tiles
+    as a group of their own, as many tiles per pass as that many rows take alone (from L2). One tile per pass for
+    them made a seventh row cost 5.4 ms over the model's linear layers, about three rows' arithmetic: a lone row's
+    pass is two FMA chains, latency-bound (`linear_rows.md` at 6810b85). (Splitting rows evenly, 9 as 5 + 4, was
+    5-10% slower than 6 + 3 in a one-off A/B at 03d16e1.)"""
     rows = xf.shape[0]
     if rows <= TILE_ROWS:
         _rows_times_tiles(xf, b, b_row, b_col, b_row_step, b_col_step, tiles, k_dim, out, out_col, 0, rows)
@@ -364,7 +365,7 @@ def _times_tiles(xf, b, b_row, b_col, b_row_step, b_col_step, tiles, k_dim, out,
         for m0 in range(0, full, TILE_ROWS):
             _products(b, b_row + t * b_row_step, b_col + t * b_col_step, 0, 0, xf, m0, k_dim, out,
                       out_col + t * LANES, TILE_ROWS, 1)
-    if full < rows:  # the rest as a group of its own (one to three rows: several tiles per pass)
+    if full < rows:  # the rest as a group of its own (one or two rows, or three over fp32: several tiles a pass)
         _rows_times_tiles(xf, b, b_row, b_col, b_row_step, b_col_step, tiles, k_dim, out, out_col, full, rows - full)
 
 
