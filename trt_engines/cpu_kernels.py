@@ -303,7 +303,8 @@ def _tiles_per_pass_overload(b, rows):
     most the 12 accumulators) to cover a fused multiply-add's latency (8 chains on AVX2 cores: two units, four
     cycles). Three rows over paired weights (uint32, `Bf16Linear`) take one tile: two would need a 17th register
     (AVX2 has 16) for the zero vector that splits each weight vector's halves, and with the spills three rows took
-    1.11-1.19x the unpaired 3 x 2 pass's time over the model's linear layers; with one tile, 0.94-1.03x."""
+    1.11-1.19x the unpaired 3 x 2 pass's time over the model's linear layers; with one tile, 0.98-1.11x (four
+    paired A/B runs, AVX2 EPYC: this host's noise)."""
     three_rows_tiles = 1 if b.dtype == types.uint32 else 2
 
     def tiles_per_pass(b, rows):
