@@ -170,7 +170,7 @@ def _tile_products(rows: int, tiles: int = 1):
     row's accumulators. Each output is one chain of fused multiply-adds in k order (llvm.fma, never reassociated)
     starting from 0, so its bits depend only on its own row of xf and column of b, never on `rows`, `tiles` or what
     is computed beside it; a term whose xf value is 0 adds exactly nothing (for finite b). Several tiles per pass are
-    for one to three rows (`_times_tiles`)."""
+    for one or two rows, or three over fp32 b (`_tiles_per_pass`)."""
 
     def typer(typingctx, b, b_row, b_col, b_row_step, b_col_step, xf, m0, k_dim, out, out_row, out_col):
         if not (isinstance(b, types.Array) and b.ndim == 2 and b.dtype in (types.uint32, types.float32)
