@@ -136,14 +136,12 @@ def _as_sources(sources: np.ndarray | None) -> np.ndarray:
 
 def _check_nodes(probs: np.ndarray, depths: np.ndarray, sources: np.ndarray, parents: np.ndarray = _NO_PARENTS):
     """The kernels index these arrays per node without bounds checks: one 1-D length for all (empty sources and
-    parents: none given), and every parent before its child."""
+    parents: none given). `_interpolate` checks, in its own loop, that every parent comes before its child."""
     n = probs.shape[0] if probs.ndim == 1 else -1
     mismatched = [a for a in (sources, parents) if a.size and a.shape != (n,)]
     if n < 0 or depths.shape != (n,) or mismatched:
         raise ValueError(f"per-node arrays must be 1-D and of one length: probs {probs.shape}, depths {depths.shape}, "
                          f"sources {sources.shape}, parents {parents.shape}")
-    if parents.size and np.any(parents >= np.arange(n)):
-        raise ValueError("every node's parent must come before it (parents[i] < i, -1 for the root's children)")
 
 
 @nb.njit(cache=True)
@@ -193,9 +191,12 @@ def _decay_and_add(predicted, realized, nodes, decay, probs, depths, sources, ac
 @nb.njit(cache=True)
 def _interpolate(probs, depths, sources, parents, bucket_starts, knots_x, knots_y) -> np.ndarray:
     """Each node's value on its bucket's map (`_bucket`; empty `sources`: every node the request's own), capped
-    at its parent's value where `parents` is not empty (global indices, parents first)."""
+    at its parent's value where `parents` is not empty (global indices, parents first: a parent at or after its
+    child would read a value not yet written, so it is refused)."""
     out = np.empty(probs.size)
     for i in range(probs.size):
+        if parents.size and parents[i] >= i:
+            raise ValueError("every node's parent must come before it (parents[i] < i, -1 for the root's children)")
         bucket = _bucket(depths[i], sources[i] if sources.size else 0, bucket_starts)
         out[i] = np.interp(probs[i], knots_x, knots_y[bucket])
         if parents.size and parents[i] >= 0 and out[parents[i]] < out[i]:
