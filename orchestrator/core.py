@@ -11,12 +11,22 @@ One `step()`:
     stream   new tokens (and text) per request; retire finished ones (EOS, stop token/string, max_tokens, cancel)
     learn    measured step time refits the step-time model; realized acceptance is logged per step
 
+Micro-batches (SPIN §V): where the engine verifies on another device than the drafter drafts on (a GPU), the running
+batch may be split into micro-batches that take turns. A step then verifies one micro-batch on a worker thread while
+this thread drafts the next one, so drafting hides behind verification instead of adding to every step. A request's
+state only changes when its own micro-batch is verified, so a tree drafted ahead is exactly the tree it would get
+now: outputs are unchanged. The engine is never touched by both threads at once (admission, commits and releases
+run while no verify is in flight). `micro_batches=None` decides each step: two micro-batches where the step-time
+model says a round of two half-batch steps with drafting hidden costs less than one whole-batch step plus its
+drafting (`pipelining_pays`), one on a CPU-only machine, where drafting and verification share the cores.
+
 Streaming to clients goes through `on_output` callbacks (and the async runner in `orchestrator/runner.py`).
 """
 
 from __future__ import annotations
 
 import itertools
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable
@@ -59,6 +69,8 @@ class StepRecord:
     prefill_s: list[float] = field(default_factory=list)  # and its prefill's wall time
     context: list[int] = field(default_factory=list)  # cached tokens of each running request before the step
     budget_s: float = 0.0  # the budget controller's allocation
+    micro_batches: int = 1  # micro-batches the running requests took turns in (`batch` is this step's one)
+    overlapped_draft_s: float = 0.0  # drafting of the next micro-batch that ran while this one was verified
 
 
 @dataclass
@@ -87,6 +99,7 @@ class Orchestrator:
         clock: Callable[[], float] = time.perf_counter,
         draft_timeout_s: float | None = None,
         offline_batch: bool = False,
+        micro_batches: int | None = None,
     ) -> None:
         self.engine = engine
         self.drafter = drafter
@@ -107,6 +120,16 @@ class Orchestrator:
         # steps left relative to the slowest request's (`BudgetController.allocate`'s `remaining_steps`). A server
         # leaves it off: more requests may arrive at any time, and each request's own latency counts.
         self.offline_batch = offline_batch
+        # Micro-batches (module docstring): None decides each step, an int fixes it (1: every step verifies the whole
+        # batch; more: pipelined even on the CPU, which is for tests, since there both threads share the cores).
+        if micro_batches is not None and (isinstance(micro_batches, bool) or not isinstance(micro_batches, int)
+                                          or micro_batches < 1):
+            raise ValueError(f"micro_batches must be an int >= 1 (or None: decide each step); got {micro_batches!r}")
+        self.micro_batches = micro_batches
+        self._overlappable = engine_device(engine) != "cpu"
+        self._verify_pool: ThreadPoolExecutor | None = None  # the verify worker, started by the first pipelined step
+        self._drafted_ahead: dict[str, tuple[DraftTree, int]] = {}  # request id -> (tree, cap) drafted during a verify
+        self._draft_s_per_request: deque[float] = deque(maxlen=16)  # whole drafting calls, hidden or not
         # With a timeout, drafting runs on one worker thread so the step can go on without it. A late draft call
         # keeps running there (its trees are dropped), and the drafter's state must not change under it: every
         # drafter update waits for it first (`_drafter_idle`), which overlaps the wait with the verify forward.
@@ -158,12 +181,16 @@ class Orchestrator:
         return not self.waiting and not self.running
 
     def close(self) -> None:
-        """Stop the drafting worker thread (there is one only with a draft timeout) once any late draft call ends.
-        Steps after this draft on the calling thread, without a timeout."""
+        """Stop the worker threads (drafting, with a draft timeout; verifying, once a step was pipelined) once any late
+        draft call ends. Steps after this draft on the calling thread without a timeout, and start a new verify worker
+        if they pipeline."""
         if self._draft_pool is not None:
             self._draft_pool.shutdown(wait=True, cancel_futures=True)
             self._draft_pool = None
             self._late_draft = None
+        if self._verify_pool is not None:
+            self._verify_pool.shutdown(wait=True)
+            self._verify_pool = None
 
     # -- one scheduler iteration ---------------------------------------------------------------------------------
     def step(self) -> StepRecord | None:
@@ -173,13 +200,15 @@ class Orchestrator:
         prefills = self._admit()
         if not self.running:
             return None
+        micro_batches = self._micro_batches_now()
         states = list(self.running.values())
+        if micro_batches > 1:  # the requests drafted ahead, else the front of the rotation
+            ahead = [s for s in states if s.request_id in self._drafted_ahead]
+            states = ahead or states[: -(-len(states) // micro_batches)]
 
         draft_started = time.perf_counter()
-        cap = self.budget.draft_cap(len(states))
-        trees, fallbacks = self._draft(states, cap)
+        trees, cap, fallbacks = self._trees(states)
         draft_s = time.perf_counter() - draft_started
-
         context = np.array([s.context_len for s in states], dtype=np.float64)
         tpot = np.array([s.request.tpot_s if s.request.tpot_s else np.nan for s in states])
         budget_started = time.perf_counter()
@@ -188,7 +217,24 @@ class Orchestrator:
                                                remaining_steps=self._remaining_steps(states))
         budget_s = time.perf_counter() - budget_started
 
-        verify = self.engine.verify([VerifyItem(s.request_id, t) for s, t in zip(states, trees)])
+        items = [VerifyItem(s.request_id, t) for s, t in zip(states, trees)]
+        overlapped_s = 0.0
+        if micro_batches > 1:
+            if self._verify_pool is None:
+                self._verify_pool = ThreadPoolExecutor(1, thread_name_prefix="verify")
+            pending = self._verify_pool.submit(self._timed_verify, items)
+            verifying = {s.request_id for s in states}
+            upcoming = [s for s in self.running.values() if s.request_id not in verifying]
+            ahead_started = time.perf_counter()
+            try:
+                fallbacks += self._draft_ahead(upcoming[: -(-len(self.running) // micro_batches)])
+            finally:  # never leave a verify in flight: the engine is this thread's again once the step ends
+                ahead_done = time.perf_counter()
+                verify, verify_done = pending.result()
+            overlapped_s = ahead_done - ahead_started
+            draft_s += max(0.0, ahead_done - verify_done)  # only what outlasted the verify delays the step
+        else:
+            verify = self.engine.verify(items)
         # The whole verify call (input packing and sampling included) is what a step costs the batch.
         measured_s = verify.timings.get("total_ms", verify.timings.get("forward_ms", 0.0)) / 1e3
         self.budget.step_model.observe(1.0 + decision.nodes, context, measured_s)
@@ -215,10 +261,58 @@ class Orchestrator:
             predicted_s=decision.predicted_step_s, measured_s=measured_s, draft_s=draft_s, budget_s=budget_s,
             step_s=time.perf_counter() - started, fallbacks=fallbacks,
             prefill_tokens=[n for n, _ in self._prefills], prefill_s=[t for _, t in self._prefills],
-            context=context.astype(int).tolist(),
+            context=context.astype(int).tolist(), micro_batches=micro_batches, overlapped_draft_s=overlapped_s,
         )
         self.records.append(record)
+        if micro_batches > 1:  # this micro-batch goes to the back of the rotation
+            for state in states:
+                if state.request_id in self.running:
+                    self.running[state.request_id] = self.running.pop(state.request_id)
         return record
+
+    def _micro_batches_now(self) -> int:
+        """How many micro-batches the running requests take turns in this step (module docstring)."""
+        b = len(self.running)
+        if self.micro_batches is not None:
+            return max(1, min(self.micro_batches, b))
+        if not self._overlappable or b < 2 or not self._draft_s_per_request:
+            return 1
+        context = np.array([s.context_len for s in self.running.values()], dtype=np.float64)
+        draft_s = statistics.median(self._draft_s_per_request)
+        return 2 if pipelining_pays(self.budget.step_model, context, draft_s) else 1
+
+    def _trees(self, states: list[_Running]) -> tuple[list[DraftTree], int, int]:
+        """Draft trees for `states` (those drafted ahead, the rest now), the largest cap they were drafted at, and how
+        many fell back to plain decoding now."""
+        missing = [s for s in states if s.request_id not in self._drafted_ahead]
+        cap, fallbacks, drafted = 0, 0, {}
+        if missing:
+            cap = self.budget.draft_cap(len(states))
+            trees, fallbacks = self._timed_draft(missing, cap)
+            drafted = {s.request_id: (t, cap) for s, t in zip(missing, trees)}
+        chosen = [drafted.get(s.request_id) or self._drafted_ahead.pop(s.request_id) for s in states]
+        return [t for t, _ in chosen], max(c for _, c in chosen), fallbacks
+
+    def _draft_ahead(self, states: list[_Running]) -> int:
+        """Draft the next micro-batch while this one is verified; returns the fallbacks."""
+        if not states:
+            return 0
+        cap = self.budget.draft_cap(len(states))
+        trees, fallbacks = self._timed_draft(states, cap)
+        for state, tree in zip(states, trees):
+            self._drafted_ahead[state.request_id] = (tree, cap)
+        return fallbacks
+
+    def _timed_draft(self, states: list[_Running], cap: int) -> tuple[list[DraftTree], int]:
+        started = time.perf_counter()
+        trees, fallbacks = self._draft(states, cap)
+        if cap > 0 and not fallbacks:
+            self._draft_s_per_request.append((time.perf_counter() - started) / len(states))
+        return trees, fallbacks
+
+    def _timed_verify(self, items: list[VerifyItem]):
+        """The verify worker's task: the engine's output and when it was done."""
+        return self.engine.verify(items), time.perf_counter()
 
     def _remaining_steps(self, states: list[_Running]) -> np.ndarray | None:
         """While an offline batch drains: per request, tokens left (to max_tokens) over its tokens per step so far."""
@@ -340,6 +434,7 @@ class Orchestrator:
 
     def _finish(self, state: _Running, reason: FinishReason, tokens: list[int] | None = None, text: str = "") -> None:
         self.running.pop(state.request_id, None)
+        self._drafted_ahead.pop(state.request_id, None)
         self._reserved.pop(state.request_id, None)
         self.engine.release(state.request_id)
         self.drafter.stop_request(state.request_id)
@@ -349,3 +444,34 @@ class Orchestrator:
     def _fail(self, request_id: str, callback: OutputCallback | None, message: str) -> None:
         if callback is not None:
             callback(RequestOutput(request_id, [], finish_reason=FinishReason.ERROR, stats=RequestStats(), error=message))
+
+
+def engine_device(engine) -> str:
+    """The kind of device an engine verifies on ("cpu", "cuda", ...): its `device` attribute (a torch.device or a
+    string), "cpu" for an engine without one."""
+    device = getattr(engine, "device", "cpu")
+    return str(getattr(device, "type", device)).split(":")[0]
+
+
+def pipelining_pays(step_model, context: np.ndarray, draft_s_per_request: float) -> bool:
+    """Whether two micro-batches that take turns (one verified while the other is drafted) finish a round of the
+    batch sooner than one whole-batch step after its drafting, by the step-time model's plain steps: SPIN's trade of
+    a second weight pass (two half-batch steps instead of one) for hiding drafting behind verification.
+
+        whole:  T(batch) + d * b
+        split:  T(first) + T(second) + max(0, d * |second| - T(first)) + max(0, d * |first| - T(second))
+
+    with d the drafting seconds per request and each half's drafting hidden behind the other half's verify, except
+    for what outlasts it."""
+    context = np.asarray(context, dtype=np.float64)
+    b = context.shape[0]
+    if b < 2:
+        return False
+    half = -(-b // 2)
+    first, second = context[:half], context[half:]
+    t_whole = step_model.predict(np.ones(b), context)
+    t_first, t_second = step_model.predict(np.ones(half), first), step_model.predict(np.ones(b - half), second)
+    whole = t_whole + draft_s_per_request * b
+    split = (t_first + t_second + max(0.0, draft_s_per_request * (b - half) - t_first)
+             + max(0.0, draft_s_per_request * half - t_second))
+    return split < whole

@@ -74,12 +74,12 @@ def reference(engine, prompt_ids) -> list[list[int]]:
 
 
 def make_orchestrator(engine, datastore, policy: str, *, tokenizer=None, max_running=4, drafter=None,
-                      draft_timeout_s=None, offline_batch=False):
+                      draft_timeout_s=None, offline_batch=False, micro_batches=None):
     drafter = drafter or Drafter(DrafterConfig(), datastores=[datastore])
     model = StepTimeModel(ModelShape.from_config(default_model_dir()), CPU, dtype="float32")
     return Orchestrator(engine, drafter, BudgetController(BudgetPolicy.parse(policy), model),
                         tokenizer=tokenizer, max_running=max_running, draft_timeout_s=draft_timeout_s,
-                        offline_batch=offline_batch)
+                        offline_batch=offline_batch, micro_batches=micro_batches)
 
 
 def run_all(orchestrator, requests) -> dict[str, dict]:
@@ -105,6 +105,7 @@ def test_every_policy_gives_plain_greedy_output(engine, datastore, prompt_ids, r
     assert [r["tokens"] for r in results.values()] == reference
     assert engine.free_blocks() == free_before  # every request released its KV
     assert max(r.batch for r in orchestrator.records) > 1  # requests really were batched
+    assert all(r.micro_batches == 1 for r in orchestrator.records)  # on the CPU every step verifies the whole batch
     accepted = sum(r["stats"].accepted for r in results.values())
     if policy != "none":
         assert accepted > 0  # speculation actually happened, so the equality above means something
@@ -191,6 +192,70 @@ def test_cancel_mid_stream_frees_kv(engine, datastore, prompt_ids, reference):
     orchestrator.run_until_idle()
     assert sum((o.token_ids for o in outputs[ids[1]]), []) == reference[1]
     assert engine.free_blocks() == free_before
+
+
+@pytest.mark.parametrize("policy, micro_batches", [("fixed:4", 2), ("goodput", 2), ("goodput", 3)])
+def test_micro_batches_take_turns_losslessly(engine, datastore, prompt_ids, reference, policy, micro_batches):
+    # SPIN's pipeline forced on the CPU: each step verifies one micro-batch on the verify worker while this thread
+    # drafts the next one. Mixed lengths make the micro-batches change as requests finish and new ones are admitted.
+    orchestrator = make_orchestrator(engine, datastore, policy, max_running=5, micro_batches=micro_batches)
+    free_before = engine.free_blocks()
+    lengths = [24 if i % 2 else 11 for i in range(len(prompt_ids))]
+    requests = [GenerationRequest(prompt_ids=p, max_tokens=n) for p, n in zip(prompt_ids, lengths)]
+    results = run_all(orchestrator, requests)
+    orchestrator.close()
+    assert [r["tokens"] for r in results.values()] == [ref[:n] for ref, n in zip(reference, lengths)]
+    assert engine.free_blocks() == free_before
+    records = list(orchestrator.records)
+    turns = [r for r in records if r.micro_batches == micro_batches]
+    assert turns and max(r.batch for r in turns) <= -(-5 // micro_batches)  # a share of the 5 running, per verify
+    assert sum(r.overlapped_draft_s > 0 for r in turns) > len(turns) // 2  # the next micro-batch was drafted meanwhile
+    assert sum(r["stats"].accepted for r in results.values()) > 0
+    assert sum(r["stats"].steps for r in results.values()) == sum(r.batch for r in records)
+
+
+def test_cancel_between_micro_batches_drops_the_tree_drafted_ahead(engine, datastore, prompt_ids, reference):
+    orchestrator = make_orchestrator(engine, datastore, "fixed:4", max_running=4, micro_batches=2)
+    free_before = engine.free_blocks()
+    outputs: dict[str, list] = {}
+    ids = [orchestrator.submit(GenerationRequest(prompt_ids=p, max_tokens=24),
+                               lambda out: outputs.setdefault(out.request_id, []).append(out), request_id=f"c{i}")
+           for i, p in enumerate(prompt_ids[:4])]
+    first = orchestrator.step()  # verifies c0 and c1 while c2 and c3 are drafted ahead
+    assert first.batch == 2 and first.micro_batches == 2
+    assert orchestrator.cancel("c2")  # drafted ahead, not verified yet
+    assert outputs["c2"][-1].finish_reason == FinishReason.CANCELLED
+    assert orchestrator.step().batch == 1  # c3 alone: c2's tree went with it
+    orchestrator.run_until_idle()
+    orchestrator.close()
+    for i in (0, 1, 3):
+        assert sum((o.token_ids for o in outputs[ids[i]]), []) == reference[i]
+    assert engine.free_blocks() == free_before
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_bad_micro_batches_are_refused_by_name(engine, datastore, bad):
+    from orchestrator.serving.stack import ServingConfig
+
+    with pytest.raises(ValueError, match="micro_batches must be an int >= 1"):
+        make_orchestrator(engine, datastore, "goodput", micro_batches=bad)
+    with pytest.raises(ValueError, match="micro_batches must be an int >= 1"):
+        ServingConfig(micro_batches=bad)
+
+
+def test_pipelining_pays_only_where_hidden_drafting_outweighs_a_second_weight_pass():
+    # Llama-3.1-8B on an H100: a plain step streams 16 GB of weights (~5 ms), so splitting a batch of 16 costs about
+    # one more step; it pays only once drafting 16 requests takes longer than that.
+    from orchestrator.core import pipelining_pays
+    from orchestrator.roofline import hardware
+
+    shape = ModelShape.from_config(Path(__file__).resolve().parents[1] / "tools/model_shapes/llama-3.1-8b.json")
+    model = StepTimeModel(shape, hardware("H100-SXM"), dtype="bfloat16")
+    context = np.full(16, 1000.0)
+    one_step = model.predict(np.ones(16), context)
+    assert not pipelining_pays(model, context, 0.1 * one_step / 16)
+    assert pipelining_pays(model, context, 3 * one_step / 16)
+    assert not pipelining_pays(model, context[:1], 3 * one_step)  # one request cannot be split
 
 
 def test_admission_never_overcommits_kv(datastore, prompt_ids, reference):

@@ -215,8 +215,9 @@ def simulate(deployment: Deployment, workload: Workload, policy: str, drafter, *
     controller_model = _start_up_model(deployment, controller_coefficients)
     controller = BudgetController(BudgetPolicy.parse(policy, max_nodes_per_request=max_nodes), controller_model)
     # every request arriving at t=0 is an offline batch, served as the throughput benchmark serves one
+    # one verify per step on the event clock: where drafting hides behind verification is `host_time`'s to model
     orchestrator = Orchestrator(engine, drafter, controller, max_running=workload.concurrency, clock=clock,
-                                offline_batch=not any(workload.arrivals_s))
+                                offline_batch=not any(workload.arrivals_s), micro_batches=1)
 
     timelines: dict[str, _Timeline] = {}
 

@@ -242,6 +242,7 @@ class TensorRTLLMEngine:
     """`TargetEngine` over a TensorRT-LLM engine folder (see the module docstring for the step mapping)."""
 
     attention_layout = "packed"  # paged attention over each request's own tokens and context
+    device = "cuda"  # verifies on the GPU: the orchestrator may draft one micro-batch while another is verified
 
     def __init__(self, engine_dir: str | Path, *, backend: StepBackend | None = None,
                  eos_token_ids: Sequence[int] | None = None, kv_cache_free_gpu_memory_fraction: float = 0.9,

@@ -36,6 +36,9 @@ def _config_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-body-bytes", type=int, default=1 << 20)
     g.add_argument("--draft-timeout-ms", type=float, default=None,
                    help="a drafting call slower than this makes its step plain decoding (default: no timeout)")
+    g.add_argument("--micro-batches", type=int, default=None,
+                   help="split the running batch into this many micro-batches that take turns, one drafted while "
+                   "another is verified (SPIN); 1: never (default: decide each step; never on a CPU-only machine)")
 
 
 def _config(args):
@@ -47,7 +50,8 @@ def _config(args):
                          datastores=None if args.datastore is None else tuple(args.datastore), policy=args.policy,
                          max_running=args.max_running, hardware=args.hardware, fit_step_model=not args.no_fit,
                          max_body_bytes=args.max_body_bytes,
-                         draft_timeout_s=None if args.draft_timeout_ms is None else args.draft_timeout_ms / 1e3)
+                         draft_timeout_s=None if args.draft_timeout_ms is None else args.draft_timeout_ms / 1e3,
+                         micro_batches=args.micro_batches)
 
 
 def serve_main(argv: Sequence[str]) -> int:

@@ -52,13 +52,17 @@ class ServingMetrics:
         self.steps = Counter("retrospec_steps", "Verification steps", registry=r)
         self.drafter_fallbacks = Counter("retrospec_drafter_fallbacks",
                                          "Request-steps decoded plainly because drafting failed", registry=r)
-        self.draft_seconds = Histogram("retrospec_draft_seconds", "Drafting time per step", buckets=_MS_BUCKETS,
-                                       registry=r)
+        self.draft_seconds = Histogram("retrospec_draft_seconds", "Drafting time per step that the step waited for",
+                                       buckets=_MS_BUCKETS, registry=r)
+        self.overlapped_draft_seconds = Histogram(
+            "retrospec_overlapped_draft_seconds", "Drafting of the next micro-batch run during a step's verify "
+            "(steps that split the batch)", buckets=_MS_BUCKETS, registry=r)
         self.verify_seconds = Histogram("retrospec_verify_seconds", "Verification forward time per step",
                                         buckets=_MS_BUCKETS, registry=r)
         self.step_nodes = Histogram("retrospec_step_nodes", "Speculation nodes per step (whole batch)",
                                     buckets=_NODE_BUCKETS, registry=r)
-        self.batch_size = Histogram("retrospec_step_batch_size", "Running requests per step",
+        self.batch_size = Histogram("retrospec_step_batch_size", "Requests verified per step (the micro-batch where "
+                                    "the running batch is split)",
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
         self.running = Gauge("retrospec_running_requests", "Requests being generated now", registry=r)
         self.waiting = Gauge("retrospec_waiting_requests", "Requests waiting for KV blocks", registry=r)
@@ -73,6 +77,8 @@ class ServingMetrics:
         self.accepted_tokens.inc(record.realized_tokens - record.batch)
         self.drafter_fallbacks.inc(record.fallbacks)
         self.draft_seconds.observe(record.draft_s)
+        if record.micro_batches > 1:
+            self.overlapped_draft_seconds.observe(record.overlapped_draft_s)
         self.verify_seconds.observe(record.measured_s)
         self.step_nodes.observe(nodes)
         self.batch_size.observe(record.batch)

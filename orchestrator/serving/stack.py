@@ -60,6 +60,7 @@ class ServingConfig:
     max_body_bytes: int = 1 << 20  # HTTP bodies above this are refused with 413
     draft_idle_timeout_s: float = 300.0  # retrospec_draft sessions without a call for this long are released
     draft_timeout_s: float | None = None  # a drafting call slower than this makes its step plain decoding
+    micro_batches: int | None = None  # None: decide each step (`Orchestrator`); 1: never pipeline; 2+: always
 
     def __post_init__(self) -> None:
         BudgetPolicy.parse(self.policy)  # raises a clear ValueError on a typo
@@ -72,6 +73,10 @@ class ServingConfig:
             raise ValueError(f"draft_idle_timeout_s must be > 0; got {self.draft_idle_timeout_s}")
         if self.draft_timeout_s is not None and not self.draft_timeout_s > 0:
             raise ValueError(f"draft_timeout_s must be > 0 (or None: no timeout); got {self.draft_timeout_s}")
+        if self.micro_batches is not None and (isinstance(self.micro_batches, bool)
+                                               or not isinstance(self.micro_batches, int) or self.micro_batches < 1):
+            raise ValueError("micro_batches must be an int >= 1 (or None: decide each step); "
+                             f"got {self.micro_batches!r}")
 
 
 class MeteredOrchestrator(Orchestrator):
@@ -140,7 +145,7 @@ class ServingStack:
         tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         orchestrator = MeteredOrchestrator(engine, drafter, BudgetController(policy, step_model), tokenizer=tokenizer,
                                            max_running=config.max_running, metrics=metrics,
-                                           draft_timeout_s=config.draft_timeout_s)
+                                           draft_timeout_s=config.draft_timeout_s, micro_batches=config.micro_batches)
         metrics.free_kv_blocks.set(engine.free_blocks())
         runner = OrchestratorRunner(orchestrator).start()
         return cls(config, engine, drafter, orchestrator, runner, tokenizer, metrics, model_dir)
