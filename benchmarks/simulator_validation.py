@@ -79,7 +79,7 @@ def validate(measured: dict, *, host_time: str = "plan", fit: str = "group") -> 
         return Deployment(shape, hardware, dtype=measured["step_model"]["dtype"], coefficients=tuple(step),
                           prefill_coefficients=None if prefill is None else tuple(prefill),
                           host_overhead=tuple(host) if host else (0.0, 0.0),
-                          attention_layout=measured["step_model"].get("attention_layout", "packed"))
+                          attention_layout=measured["step_model"].get("attention_layout", "packed"), device="cpu")
 
     group_fits = {(g["set"], g["cap"]): deployment(g["step_model"], g["prefill_model"], g.get("host_overhead"))
                   for g in measured.get("group_fits", [])}

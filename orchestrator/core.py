@@ -222,21 +222,22 @@ class Orchestrator:
         if micro_batches > 1:
             if self._verify_pool is None:
                 self._verify_pool = ThreadPoolExecutor(1, thread_name_prefix="verify")
-            pending = self._verify_pool.submit(self._timed_verify, items)
+            pending = self._verify_pool.submit(self.engine.verify, items)
             verifying = {s.request_id for s in states}
             upcoming = [s for s in self.running.values() if s.request_id not in verifying]
             ahead_started = time.perf_counter()
             try:
                 fallbacks += self._draft_ahead(upcoming[: -(-len(self.running) // micro_batches)])
             finally:  # never leave a verify in flight: the engine is this thread's again once the step ends
-                ahead_done = time.perf_counter()
-                verify, verify_done = pending.result()
-            overlapped_s = ahead_done - ahead_started
-            draft_s += max(0.0, ahead_done - verify_done)  # only what outlasted the verify delays the step
+                overlapped_s = time.perf_counter() - ahead_started
+                verify = pending.result()
         else:
             verify = self.engine.verify(items)
         # The whole verify call (input packing and sampling included) is what a step costs the batch.
         measured_s = verify.timings.get("total_ms", verify.timings.get("forward_ms", 0.0)) / 1e3
+        # Drafting ahead started with the verify; only what outlasted it delays the step (by the engine's own clock,
+        # which is the event clock's for a simulated engine).
+        draft_s += max(0.0, overlapped_s - measured_s)
         self.budget.step_model.observe(1.0 + decision.nodes, context, measured_s)
         self._drafter_idle()  # the drafter is updated below
 
@@ -277,9 +278,13 @@ class Orchestrator:
             return max(1, min(self.micro_batches, b))
         if not self._overlappable or b < 2 or not self._draft_s_per_request:
             return 1
-        context = np.array([s.context_len for s in self.running.values()], dtype=np.float64)
+        states = list(self.running.values())
+        # each request's tokens per verify as it has been speculating: splitting a compute-bound batch costs far less
+        # than a second pass over the weights
+        tokens = np.array([1.0 + s.stats.drafted / max(s.stats.steps, 1) for s in states])
+        context = np.array([s.context_len for s in states], dtype=np.float64)
         draft_s = statistics.median(self._draft_s_per_request)
-        return 2 if pipelining_pays(self.budget.step_model, context, draft_s) else 1
+        return 2 if pipelining_pays(self.budget.step_model, tokens, context, draft_s) else 1
 
     def _trees(self, states: list[_Running]) -> tuple[list[DraftTree], int, int]:
         """Draft trees for `states` (those drafted ahead, the rest now), the largest cap they were drafted at, and how
@@ -310,9 +315,6 @@ class Orchestrator:
             self._draft_s_per_request.append((time.perf_counter() - started) / len(states))
         return trees, fallbacks
 
-    def _timed_verify(self, items: list[VerifyItem]):
-        """The verify worker's task: the engine's output and when it was done."""
-        return self.engine.verify(items), time.perf_counter()
 
     def _remaining_steps(self, states: list[_Running]) -> np.ndarray | None:
         """While an offline batch drains: per request, tokens left (to max_tokens) over its tokens per step so far."""
@@ -453,24 +455,26 @@ def engine_device(engine) -> str:
     return str(getattr(device, "type", device)).split(":")[0]
 
 
-def pipelining_pays(step_model, context: np.ndarray, draft_s_per_request: float) -> bool:
+def pipelining_pays(step_model, tokens: np.ndarray, context: np.ndarray, draft_s_per_request: float) -> bool:
     """Whether two micro-batches that take turns (one verified while the other is drafted) finish a round of the
-    batch sooner than one whole-batch step after its drafting, by the step-time model's plain steps: SPIN's trade of
-    a second weight pass (two half-batch steps instead of one) for hiding drafting behind verification.
+    batch sooner than one whole-batch step after its drafting, by the step-time model (`tokens[i]`: request i's
+    tokens per verify, root included): SPIN's trade of a second pass over the weights (two half-batch steps instead
+    of one, which costs little where the step is compute-bound) for hiding drafting behind verification.
 
         whole:  T(batch) + d * b
         split:  T(first) + T(second) + max(0, d * |second| - T(first)) + max(0, d * |first| - T(second))
 
     with d the drafting seconds per request and each half's drafting hidden behind the other half's verify, except
     for what outlasts it."""
+    tokens = np.asarray(tokens, dtype=np.float64)
     context = np.asarray(context, dtype=np.float64)
     b = context.shape[0]
     if b < 2:
         return False
     half = -(-b // 2)
-    first, second = context[:half], context[half:]
-    t_whole = step_model.predict(np.ones(b), context)
-    t_first, t_second = step_model.predict(np.ones(half), first), step_model.predict(np.ones(b - half), second)
+    t_whole = step_model.predict(tokens, context)
+    t_first = step_model.predict(tokens[:half], context[:half])
+    t_second = step_model.predict(tokens[half:], context[half:])
     whole = t_whole + draft_s_per_request * b
     split = (t_first + t_second + max(0.0, draft_s_per_request * (b - half) - t_first)
              + max(0.0, draft_s_per_request * half - t_second))

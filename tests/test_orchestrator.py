@@ -243,19 +243,25 @@ def test_bad_micro_batches_are_refused_by_name(engine, datastore, bad):
         ServingConfig(micro_batches=bad)
 
 
-def test_pipelining_pays_only_where_hidden_drafting_outweighs_a_second_weight_pass():
-    # Llama-3.1-8B on an H100: a plain step streams 16 GB of weights (~5 ms), so splitting a batch of 16 costs about
-    # one more step; it pays only once drafting 16 requests takes longer than that.
+def test_pipelining_pays_only_where_hidden_drafting_outweighs_splitting_the_batch():
+    # Llama-3.1-8B on an H100. 16 plain requests: a step streams 16 GB of weights (~5 ms), so splitting them costs
+    # nearly one more step, and pays only once drafting them takes longer than that. 64 requests of 16 tokens: the
+    # step is compute-bound and two half-batch steps cost hardly more than one, so a little drafting already pays.
     from orchestrator.core import pipelining_pays
     from orchestrator.roofline import hardware
 
     shape = ModelShape.from_config(Path(__file__).resolve().parents[1] / "tools/model_shapes/llama-3.1-8b.json")
     model = StepTimeModel(shape, hardware("H100-SXM"), dtype="bfloat16")
-    context = np.full(16, 1000.0)
-    one_step = model.predict(np.ones(16), context)
-    assert not pipelining_pays(model, context, 0.1 * one_step / 16)
-    assert pipelining_pays(model, context, 3 * one_step / 16)
-    assert not pipelining_pays(model, context[:1], 3 * one_step)  # one request cannot be split
+    context, plain = np.full(16, 1000.0), np.ones(16)
+    one_step = model.predict(plain, context)
+    assert not pipelining_pays(model, plain, context, 0.5 * one_step / 16)
+    assert pipelining_pays(model, plain, context, 3 * one_step / 16)
+    wide, deep = np.full(64, 1000.0), np.full(64, 16.0)
+    deep_step = model.predict(deep, wide)
+    assert 2 * model.predict(deep[:32], wide[:32]) < 1.05 * deep_step
+    assert pipelining_pays(model, deep, wide, 0.1 * deep_step / 64)
+    assert not pipelining_pays(model, np.ones(64), wide, 0.1 * deep_step / 64)
+    assert not pipelining_pays(model, plain[:1], context[:1], 3 * one_step)  # one request cannot be split
 
 
 def test_admission_never_overcommits_kv(datastore, prompt_ids, reference):

@@ -155,6 +155,29 @@ def test_cli_errors_name_the_fix(capsys):
     with pytest.raises(SystemExit):
         simulate_main(["--hardware", "TPU-v9"])
     assert "unknown hardware" in capsys.readouterr().err
+    for bad in ("0", "two"):
+        with pytest.raises(SystemExit):
+            simulate_main(["--micro-batches", bad])
+        assert "--micro-batches must be auto or an int >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        simulate_main(["--micro-batches", "2", "--host-time", "measured"])
+    assert "needs --host-time draft, plan or none" in capsys.readouterr().err
+
+
+def test_split_batches_reproduce_the_trajectories_and_hide_drafting(eval_trajectories, drafter):
+    # Micro-batches that take turns on a simulated H100: each step verifies half the batch while the other half is
+    # drafted. Drafting a few requests on this machine takes far less than a simulated 8B step, so only the first
+    # step's drafting (nothing was drafted ahead yet) is charged.
+    workload = Workload(tuple(eval_trajectories), 32, tuple(closed_loop_arrivals(len(eval_trajectories))), 6)
+    whole = simulate(h100(), workload, "fixed:4", drafter, host_time="draft")
+    split = simulate(h100(), workload, "fixed:4", drafter, host_time="draft", micro_batches=2)
+    assert split.outputs == whole.outputs == [t.output_ids[:32].tolist() for t in eval_trajectories]
+    # every step splits but the last few, where one request is left and cannot be
+    assert split.metrics["steps"] > split.metrics["split_steps"] > 0.8 * split.metrics["steps"]
+    assert whole.metrics["split_steps"] == 0
+    assert split.metrics["host_s"] < 0.5 * whole.metrics["host_s"]
+    with pytest.raises(ValueError, match="micro-batches need host_time"):
+        simulate(h100(), workload, "fixed:4", drafter, host_time="measured", micro_batches=2)
 
 
 def test_host_overhead_is_charged_per_step_and_per_running_request(eval_trajectories, drafter):

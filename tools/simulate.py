@@ -88,6 +88,9 @@ class Deployment:
     # request, charged on top of `host_time`. Zero by default; `benchmarks/throughput.py` fits it on the CPU.
     host_overhead: tuple[float, float] = (0.0, 0.0)
     attention_layout: str = "packed"  # the engine's (`StepTimeModel.attention_layout`): TensorRT-LLM packs
+    # where it verifies: on a "gpu" the orchestrator may split the batch into micro-batches that take turns, one
+    # drafted on the host while another is verified (`simulate(micro_batches=...)`); on the "cpu" it never does
+    device: str = "gpu"
 
     def step_model(self, *, prefill: bool = False) -> StepTimeModel:
         chosen = self.prefill_coefficients if prefill and self.prefill_coefficients else self.coefficients
@@ -148,6 +151,15 @@ def trace_arrivals(path: str | Path, n: int) -> np.ndarray:
     return np.concatenate([times + i * span for i in range(reps)])[:n]
 
 
+def _positive_int(text: str) -> int | None:
+    """`text` as an int >= 1, else None."""
+    try:
+        value = int(text)
+    except ValueError:
+        return None
+    return value if value >= 1 else None
+
+
 def _is_number(text: str) -> bool:
     try:
         float(text)
@@ -198,26 +210,35 @@ def _start_up_model(deployment: Deployment, coefficients: Sequence[float] | None
 
 
 def simulate(deployment: Deployment, workload: Workload, policy: str, drafter, *, host_time: str = "measured",
-             max_nodes: int = 64, controller_coefficients: Sequence[float] | None = None) -> SimulationResult:
+             max_nodes: int = 64, controller_coefficients: Sequence[float] | None = None,
+             micro_batches: int | None = 1) -> SimulationResult:
     """Serve `workload` with `policy` on a simulated `deployment`; `drafter` is a real `Drafter` (state is released
-    per request and its output history cleared first, so one drafter serves many simulations). The budget controller's step-time model starts from
-    `controller_coefficients` when given (what a real controller knew at start-up), else from the deployment's, and
-    refits itself online from the simulated steps as the real one does."""
+    per request and its output history cleared first, so one drafter serves many simulations). The budget
+    controller's step-time model starts from `controller_coefficients` when given (what a real controller knew at
+    start-up), else from the deployment's, and refits itself online from the simulated steps as the real one does.
+
+    `micro_batches` is the orchestrator's (`Orchestrator`): 1 verifies the whole batch every step; None lets it
+    split the batch where that pays on the deployment's device, and a number splits it so. A split step's drafting
+    ahead is charged only where it outlasts the simulated verify it ran beside (with `host_time` "draft" or "plan";
+    "measured" times whole steps on this machine's wall clock, which cannot tell what a simulated verify hides)."""
     if host_time not in HOST_TIME:
         raise ValueError(f"host_time must be one of {HOST_TIME}; got {host_time!r}")
+    if micro_batches != 1 and host_time == "measured":
+        raise ValueError("micro-batches need host_time 'draft', 'plan' or 'none': 'measured' cannot tell the drafting "
+                         "hidden behind a simulated verify from the rest")
     drafter.clear_history()  # this workload's outputs must not be drafted from another simulation of the same prompts
     clock = SimClock()
     outputs = {tuple(int(t) for t in tr.prompt_ids): tr.output_ids for tr in workload.trajectories}
     eos = sorted({int(tr.output_ids[-1]) for tr in workload.trajectories if tr.finish_reason == "eos"})
     engine = SimulatedEngine(deployment.step_model(), clock, trajectories=outputs, vocab_size=deployment.shape.vocab,
                              eos_token_ids=tuple(eos), max_context=deployment.max_context,
-                             num_blocks=deployment.kv_blocks, prefill_model=deployment.step_model(prefill=True))
+                             num_blocks=deployment.kv_blocks, prefill_model=deployment.step_model(prefill=True),
+                             device=deployment.device)
     controller_model = _start_up_model(deployment, controller_coefficients)
     controller = BudgetController(BudgetPolicy.parse(policy, max_nodes_per_request=max_nodes), controller_model)
     # every request arriving at t=0 is an offline batch, served as the throughput benchmark serves one
-    # one verify per step on the event clock: where drafting hides behind verification is `host_time`'s to model
     orchestrator = Orchestrator(engine, drafter, controller, max_running=workload.concurrency, clock=clock,
-                                offline_batch=not any(workload.arrivals_s), micro_batches=1)
+                                offline_batch=not any(workload.arrivals_s), micro_batches=micro_batches)
 
     timelines: dict[str, _Timeline] = {}
 
@@ -264,6 +285,7 @@ def simulate(deployment: Deployment, workload: Workload, policy: str, drafter, *
         host_s += charged
 
     lines = [timelines[f"r{i}"] for i in range(len(pending))]
+    orchestrator.close()
     tokens = sum(len(line.tokens) for line in lines)
     latency = np.array([line.done - line.arrival for line in lines])
     ttft = np.array([line.first - line.arrival for line in lines])
@@ -284,6 +306,7 @@ def simulate(deployment: Deployment, workload: Workload, policy: str, drafter, *
         "tau": (tokens - len(lines)) / max(sum(line.steps for line in lines), 1),
         "mean_nodes_per_request_step": float(np.mean([np.mean(r.nodes) for r in records])) if records else 0.0,
         "steps": len(records),
+        "split_steps": sum(r.micro_batches > 1 for r in records),  # steps that verified one micro-batch of several
         "engine_s": engine.simulated_s,
         "host_s": host_s,
     }
@@ -317,13 +340,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace", help="CSV of arrival timestamps (seconds): a bursty trace")
     parser.add_argument("--max-running", type=int, default=64, help="batch limit for open-loop arrivals")
     parser.add_argument("--host-time", choices=HOST_TIME, default="draft")
+    parser.add_argument("--micro-batches", default="1", help="1: verify the whole batch every step; auto: split it "
+                        "into micro-batches that take turns where that pays (SPIN); N: always N")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
     try:
         for policy in args.policies:
             BudgetPolicy.parse(policy)
-        deployment = Deployment(ModelShape.from_config(model_config(args.model), tp=args.tp), hardware(args.hardware),
-                                dtype=args.dtype)
+        spec = hardware(args.hardware)
+        deployment = Deployment(ModelShape.from_config(model_config(args.model), tp=args.tp), spec, dtype=args.dtype,
+                                device="cpu" if "cpu" in spec.name.lower() else "gpu")
+        micro_batches = None if args.micro_batches == "auto" else _positive_int(args.micro_batches)
+        if micro_batches is None and args.micro_batches != "auto":
+            raise ValueError(f"--micro-batches must be auto or an int >= 1; got {args.micro_batches!r}")
+        if micro_batches != 1 and args.host_time == "measured":
+            raise ValueError("--micro-batches other than 1 needs --host-time draft, plan or none")
         deployment.step_model().predict(np.ones(1), np.zeros(1))  # fails fast on a dtype the device lacks
         trajectories = load_prompt_trajectories(args.sets, args.prompts)
     except (ValueError, FileNotFoundError) as exc:
@@ -344,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     for label, workload in workloads:
         base = None
         for policy in args.policies:
-            result = simulate(deployment, workload, policy, drafter, host_time=args.host_time)
+            result = simulate(deployment, workload, policy, drafter, host_time=args.host_time,
+                              micro_batches=micro_batches)
             m = result.metrics
             base = m["tokens_per_s"] if policy == "none" else base
             speedup = m["tokens_per_s"] / base if base else float("nan")

@@ -76,12 +76,14 @@ class SimulatedEngine:
         num_blocks: int = 65536,
         block_size: int = 16,
         prefill_model=None,
+        device: str = "cpu",
     ) -> None:
         if not trajectories:
             raise ValueError("SimulatedEngine needs at least one recorded trajectory (prompt ids -> output ids)")
         self.step_model = step_model
         self.prefill_model = prefill_model or step_model  # prefills may have their own fitted constants
         self.clock = clock
+        self.device = device  # the device it stands for (the orchestrator splits batches only off the CPU)
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_context = max_context
