@@ -69,8 +69,9 @@ Closed loop (`observe`, called by the orchestrator after every step):
   the single round of the full run at e7bdfc6, 0.98 in that of 0d7fadc, whose fused verify forward made plain
   steps about twice as fast, 0.978 in that of 03d16e1, where both spent the same time in verify steps and the
   gap was prefills measured 6% slower for the same work, 0.992 in that of b675a32: the same verify time again,
-  prefills 2.5% slower and 0.10 s of probing drafts, and 1.0025 in that of 8041efb: 0.41 nodes per request-step,
-  the same verify time within 0.3%; none re-measured in rounds).
+  prefills 2.5% slower and 0.10 s of probing drafts, 1.0025 in that of 8041efb: 0.41 nodes per request-step,
+  the same verify time within 0.3%, and 0.994 in that of a20702f: 0.45 nodes per request-step, 350 verify steps of
+  66.2 ms against 382 of 58.4; none re-measured in rounds).
 
 - per-request ceiling: at most max(4, T / b) nodes per request, T = the larger of `batch_node_ceiling` (64) and
   the roofline's free token budget (SSSD's knee: ~12 tokens on this CPU, ~295 for bf16 on an H100). The calibrated
