@@ -62,7 +62,7 @@ class StepRecord:
     realized_tokens: int  # sum over requests of accepted + 1
     predicted_s: float
     measured_s: float  # verify forward time
-    draft_s: float
+    draft_s: float  # drafting the step waited for (with micro-batches: what outlasted the verify beside it)
     step_s: float  # wall time of the whole step
     fallbacks: int
     prefill_tokens: list[int] = field(default_factory=list)  # prompt length of each request admitted this step
@@ -309,6 +309,7 @@ class Orchestrator:
         return fallbacks
 
     def _timed_draft(self, states: list[_Running], cap: int) -> tuple[list[DraftTree], int]:
+        """`_draft`, keeping the seconds per request of whole drafting calls (`pipelining_pays` weighs them)."""
         started = time.perf_counter()
         trees, fallbacks = self._draft(states, cap)
         if cap > 0 and not fallbacks:
