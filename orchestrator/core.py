@@ -316,7 +316,6 @@ class Orchestrator:
             self._draft_s_per_request.append((time.perf_counter() - started) / len(states))
         return trees, fallbacks
 
-
     def _remaining_steps(self, states: list[_Running]) -> np.ndarray | None:
         """While an offline batch drains: per request, tokens left (to max_tokens) over its tokens per step so far."""
         if not self.offline_batch or self.waiting:
