@@ -104,3 +104,15 @@ def test_serve_both_front_ends_then_graceful_sigterm(tmp_path):
     leftover = subprocess.run(["pgrep", "-f", f"--grpc-port={t_grpc}"], capture_output=True, text=True).stdout
     assert not leftover.strip(), "tritonserver outlived the serve process"
     assert json.dumps(body)  # the completed response was well-formed JSON
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--micro-batches", "0"], "micro_batches must be an int >= 1"),
+    (["--micro-batches", "two"], "invalid int value: 'two'"),
+])
+def test_serve_refuses_bad_options_before_starting_anything(capsys, argv, message):
+    from orchestrator.serving.cli import serve_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        serve_main(["--http", *argv])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
