@@ -122,10 +122,7 @@ class Orchestrator:
         self.offline_batch = offline_batch
         # Micro-batches (module docstring): None decides each step, an int fixes it (1: every step verifies the whole
         # batch; more: pipelined even on the CPU, which is for tests, since there both threads share the cores).
-        if micro_batches is not None and (isinstance(micro_batches, bool) or not isinstance(micro_batches, int)
-                                          or micro_batches < 1):
-            raise ValueError(f"micro_batches must be an int >= 1 (or None: decide each step); got {micro_batches!r}")
-        self.micro_batches = micro_batches
+        self.micro_batches = check_micro_batches(micro_batches)
         self._overlappable = engine_device(engine) != "cpu"
         self._verify_pool: ThreadPoolExecutor | None = None  # the verify worker, started by the first pipelined step
         self._drafted_ahead: dict[str, tuple[DraftTree, int]] = {}  # request id -> (tree, cap) drafted during a verify
@@ -446,6 +443,14 @@ class Orchestrator:
     def _fail(self, request_id: str, callback: OutputCallback | None, message: str) -> None:
         if callback is not None:
             callback(RequestOutput(request_id, [], finish_reason=FinishReason.ERROR, stats=RequestStats(), error=message))
+
+
+def check_micro_batches(micro_batches: int | None) -> int | None:
+    """`micro_batches` if valid (None: decide each step; an int >= 1), else a ValueError that says so."""
+    if micro_batches is not None and (isinstance(micro_batches, bool) or not isinstance(micro_batches, int)
+                                      or micro_batches < 1):
+        raise ValueError(f"micro_batches must be an int >= 1 (or None: decide each step); got {micro_batches!r}")
+    return micro_batches
 
 
 def engine_device(engine) -> str:

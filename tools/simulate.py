@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from orchestrator.budget import BudgetController, BudgetPolicy
-from orchestrator.core import Orchestrator
+from orchestrator.core import Orchestrator, check_micro_batches
 from orchestrator.profiling import SWEEP_BATCHES, SWEEP_CONTEXTS, SWEEP_NODES
 from orchestrator.request import GenerationRequest
 from orchestrator.roofline import (
@@ -151,13 +151,9 @@ def trace_arrivals(path: str | Path, n: int) -> np.ndarray:
     return np.concatenate([times + i * span for i in range(reps)])[:n]
 
 
-def _positive_int(text: str) -> int | None:
-    """`text` as an int >= 1, else None."""
-    try:
-        value = int(text)
-    except ValueError:
-        return None
-    return value if value >= 1 else None
+def _auto_or_int(text: str) -> str | int:
+    """`--micro-batches`: "auto" or an int (argparse names the flag when this raises)."""
+    return text if text == "auto" else int(text)
 
 
 def _is_number(text: str) -> bool:
@@ -340,8 +336,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace", help="CSV of arrival timestamps (seconds): a bursty trace")
     parser.add_argument("--max-running", type=int, default=64, help="batch limit for open-loop arrivals")
     parser.add_argument("--host-time", choices=HOST_TIME, default="draft")
-    parser.add_argument("--micro-batches", default="1", help="1: verify the whole batch every step; auto: split it "
-                        "into micro-batches that take turns where that pays (SPIN); N: always N")
+    parser.add_argument("--micro-batches", default="1", type=_auto_or_int,
+                        help="1: verify the whole batch every step; auto: split it into micro-batches that take turns "
+                        "where that pays (SPIN); N: always N")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
     try:
@@ -350,9 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = hardware(args.hardware)
         deployment = Deployment(ModelShape.from_config(model_config(args.model), tp=args.tp), spec, dtype=args.dtype,
                                 device="cpu" if "cpu" in spec.name.lower() else "gpu")
-        micro_batches = None if args.micro_batches == "auto" else _positive_int(args.micro_batches)
-        if micro_batches is None and args.micro_batches != "auto":
-            raise ValueError(f"--micro-batches must be auto or an int >= 1; got {args.micro_batches!r}")
+        micro_batches = None if args.micro_batches == "auto" else check_micro_batches(args.micro_batches)
         if micro_batches != 1 and args.host_time == "measured":
             raise ValueError("--micro-batches other than 1 needs --host-time draft, plan or none")
         deployment.step_model().predict(np.ones(1), np.zeros(1))  # fails fast on a dtype the device lacks

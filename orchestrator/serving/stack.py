@@ -25,7 +25,7 @@ import numpy as np
 
 from datastore.paths import default_datastore_dir
 from orchestrator.budget import BudgetController, BudgetPolicy
-from orchestrator.core import Orchestrator, OutputCallback, StepRecord
+from orchestrator.core import Orchestrator, OutputCallback, StepRecord, check_micro_batches
 from orchestrator.request import GenerationRequest, RequestOutput
 from orchestrator.roofline import HardwareSpec, ModelShape, StepTimeModel, hardware
 from orchestrator.runner import OrchestratorRunner
@@ -73,10 +73,7 @@ class ServingConfig:
             raise ValueError(f"draft_idle_timeout_s must be > 0; got {self.draft_idle_timeout_s}")
         if self.draft_timeout_s is not None and not self.draft_timeout_s > 0:
             raise ValueError(f"draft_timeout_s must be > 0 (or None: no timeout); got {self.draft_timeout_s}")
-        if self.micro_batches is not None and (isinstance(self.micro_batches, bool)
-                                               or not isinstance(self.micro_batches, int) or self.micro_batches < 1):
-            raise ValueError("micro_batches must be an int >= 1 (or None: decide each step); "
-                             f"got {self.micro_batches!r}")
+        check_micro_batches(self.micro_batches)
 
 
 class MeteredOrchestrator(Orchestrator):
