@@ -58,7 +58,8 @@ def build_stack(dtype: torch.dtype, *, num_blocks: int, max_nodes: int = 64, win
     datastore = Datastore.open(default_datastore_dir())
     drafter = Drafter(DrafterConfig(max_budget=max_nodes), datastores=[datastore])
     dtype_name = "float32" if dtype == torch.float32 else "bfloat16"
-    hardware = measure_hardware("cpu", cpu_kernels=engine.kernel_linears)  # bf16 FLOP/s of the kernels the engine runs
+    # the FLOP/s of the kernels the engine runs, in its own dtype only (`measure_hardware`)
+    hardware = measure_hardware("cpu", cpu_kernels=engine.kernel_linears, dtypes=(dtype_name,))
     step_model = StepTimeModel(ModelShape.from_config(resolve_model_dir("default")), hardware, dtype=dtype_name,
                                window=window, attention_layout=engine.attention_layout)
     fit_error = fit_step_model(engine, step_model)
@@ -530,7 +531,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--identity-prompts", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=1, help="serve each (set, cap, policy) this many times; "
                         "rows report the fastest round (a noisy machine only ever slows a run down)")
-    parser.add_argument("--quick", action="store_true", help="2 sets, caps 1 and 4, 3 policies, 64 tokens")
+    parser.add_argument("--quick", action="store_true", help="2 sets, caps 1 and 4, 3 policies, 128 tokens, twice "
+                        "the cap in prompts (at least 4)")
     parser.add_argument("--name", help="results file name (default: throughput, or throughput_quick with --quick); "
                         "names ending in _quick are not committed")
     parser.add_argument("--replace-groups", action="store_true",
@@ -543,9 +545,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.sets, args.caps = ["grounded", "mtbench"], [1, 4]
-        args.policies, args.max_tokens, args.identity_prompts = ["none", "fixed:16", "goodput"], 64, 4
+        args.policies, args.max_tokens, args.identity_prompts = ["none", "fixed:16", "goodput"], 128, 4
         args.rounds = 1
-        prompts_per_cap = lambda cap: max(cap, 2)  # noqa: E731
+        # As the full run (below), twice the cap, and 128 tokens: with `cap` prompts of 64 tokens a cap-4 row was
+        # one batch that prefilled and drained, which prefill and the controller's first steps dominated. On a
+        # 2-core AVX2 EPYC goodput made 0.96 of none's tok/s at grounded cap 4 (1.23 now; 1.19 in the full run)
+        # and 0.87-0.97 at MT-Bench cap 4 (0.99-1.015 now in three runs, a group too small to settle a few percent;
+        # 1.15 in the full run, whose longer answers repeat themselves more).
+        prompts_per_cap = lambda cap: max(2 * cap, 4)  # noqa: E731
     else:
         # Twice the cap: the cap stays full while a queue waits, as under a concurrency limit in service.
         # With only `cap` prompts a row measured one draining batch, whose time the slowest request sets: speeding

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -84,25 +85,35 @@ def _timed(fn, sync, repeats: int) -> float:
     return best
 
 
+MEASURABLE_DTYPES = ("float32", "bfloat16", "float16")
+
+
 def measure_hardware(device: str = "cpu", *, size: int | None = None, stream_mb: int = 512, repeats: int = 5,
-                     cpu_kernels: bool | None = None) -> HardwareSpec:
+                     cpu_kernels: bool | None = None, dtypes: Sequence[str] = ("float32", "bfloat16")) -> HardwareSpec:
     """Matmul FLOP/s per dtype (best of square matmuls), streaming bandwidth (`a + b -> c`, 3 transfers, SSSD's
     method) and a tiny matmul's wall time as the per-step overhead, on `device` (CPU or CUDA).
 
     `size` defaults to 2048 on a CPU and 8192 on a GPU, where a 2048 matmul is too short to reach peak.
     `cpu_kernels` (CPU): time bf16 through the engine's numba linear kernel (`trt_engines.cpu_kernels`, what
-    `TorchEngine.kernel_linears` runs) instead of PyTorch's matmul; None: where "auto" would pick it."""
+    `TorchEngine.kernel_linears` runs) instead of PyTorch's matmul; None: where "auto" would pick it.
+    `dtypes`: which of `MEASURABLE_DTYPES` to time; a step-time model reads only its engine's. Asking for just
+    that one matters on a CPU without bf16 instructions when the engine runs fp32: PyTorch's bf16 matmul of 2048
+    takes ~50 s there (a 2-core AVX2 EPYC), so timing a dtype the engine never runs added 5 minutes to `make demo`."""
     import torch
 
     from trt_engines.cpu_kernels import Bf16Linear, cpu_has_native_bf16
 
+    if not dtypes or set(dtypes) - set(MEASURABLE_DTYPES):
+        raise ValueError(f"measure_hardware(dtypes=...) takes one or more of {list(MEASURABLE_DTYPES)}; "
+                         f"got {list(dtypes)}")
     dev = torch.device(device)
     size = size or (8192 if dev.type == "cuda" else 2048)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     if cpu_kernels is None:
         cpu_kernels = dev.type == "cpu" and not cpu_has_native_bf16()
     flops = {}
-    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+    for name in dict.fromkeys(dtypes):
+        dtype = getattr(torch, name)
         a = torch.randn(size, size, device=dev, dtype=dtype)
         b = torch.randn(size, size, device=dev, dtype=dtype)
         matmul = Bf16Linear(b) if cpu_kernels and dtype == torch.bfloat16 else (lambda x: x @ b)

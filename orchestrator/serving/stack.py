@@ -127,7 +127,7 @@ class ServingStack:
             from orchestrator.profiling import measure_hardware
 
             spec = measure_hardware(engine.device.type, stream_mb=128, repeats=3,
-                                    cpu_kernels=getattr(engine, "kernel_linears", False))
+                                    cpu_kernels=getattr(engine, "kernel_linears", False), dtypes=(config.dtype,))
         elif config.hardware == "nominal":
             spec = NOMINAL_CPU
         else:
