@@ -561,6 +561,9 @@ def main(argv: list[str] | None = None) -> int:
         prompts_per_cap = lambda cap: max(2 * cap, 16)  # noqa: E731
     for policy in args.policies:
         BudgetPolicy.parse(policy)  # fail fast on a typo
+    repeated = sorted({p for p in args.policies if args.policies.count(p) > 1})
+    if repeated:  # one row per policy: a second run of the same policy would be dropped, not compared
+        parser.error(f"--policies lists {', '.join(repeated)} more than once; for repeats use --rounds")
     started = time.perf_counter()
     result = run(args.sets, args.caps, args.policies, prompts_per_cap=prompts_per_cap, max_tokens=args.max_tokens,
                  identity_prompts=0 if args.replace_groups else args.identity_prompts, rounds=args.rounds,

@@ -94,3 +94,14 @@ def test_spread_sample_covers_the_whole_set():
     assert [p[0] for p in picked] == list("abcdefgh") and picked[0] == "a-0" and picked[-1] == "h-9"
     assert len(set(spread(mtbench_like, 64))) == 64  # never the same prompt twice
     assert spread(mtbench_like, 200) == mtbench_like and spread(mtbench_like, 0) == []
+
+
+@pytest.mark.parametrize("policies", [["none", "goodput", "goodput"], ["fixed:4", "none", "fixed:4"]])
+def test_a_policy_listed_twice_is_refused_before_anything_runs(policies, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(throughput, "RESULTS", tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        throughput.main(["--policies", *policies, "--sets", "grounded", "--caps", "1"])
+    assert exited.value.code == 2
+    repeated = next(p for p in policies if policies.count(p) > 1)
+    assert f"--policies lists {repeated} more than once" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
