@@ -550,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
         # As the full run (below), twice the cap, and 128 tokens: with `cap` prompts of 64 tokens a cap-4 row was
         # one batch that prefilled and drained, which prefill and the controller's first steps dominated. On a
         # 2-core AVX2 EPYC goodput made 0.96 of none's tok/s at grounded cap 4 (1.23 now; 1.19 in the full run)
-        # and 0.87-0.97 at MT-Bench cap 4 (0.99-1.015 now in three runs, a group too small to settle a few percent;
+        # and 0.87-0.97 at MT-Bench cap 4 (0.99-1.02 now in four runs, a group too small to settle a few percent;
         # 1.15 in the full run, whose longer answers repeat themselves more).
         prompts_per_cap = lambda cap: max(2 * cap, 4)  # noqa: E731
     else:
