@@ -548,10 +548,9 @@ def main(argv: list[str] | None = None) -> int:
         args.policies, args.max_tokens, args.identity_prompts = ["none", "fixed:16", "goodput"], 128, 4
         args.rounds = 1
         # As the full run (below), twice the cap, and 128 tokens: with `cap` prompts of 64 tokens a cap-4 row was
-        # one batch that prefilled and drained, which prefill and the controller's first steps dominated. On a
-        # 2-core AVX2 EPYC goodput made 0.96 of none's tok/s at grounded cap 4 (1.23 now; 1.19 in the full run)
-        # and 0.87-0.97 at MT-Bench cap 4 (0.99-1.02 now in four runs, a group too small to settle a few percent;
-        # 1.15 in the full run, whose longer answers repeat themselves more).
+        # one batch that prefilled and drained, which prefill and the controller's first steps dominated, and
+        # goodput there could fall below none where the full run (`throughput_avx2.md`) has it 1.15-1.19x. A row
+        # this short still moves a few percent from run to run.
         prompts_per_cap = lambda cap: max(2 * cap, 4)  # noqa: E731
     else:
         # Twice the cap: the cap stays full while a queue waits, as under a concurrency limit in service.

@@ -97,8 +97,8 @@ def measure_hardware(device: str = "cpu", *, size: int | None = None, stream_mb:
     `cpu_kernels` (CPU): time bf16 through the engine's numba linear kernel (`trt_engines.cpu_kernels`, what
     `TorchEngine.kernel_linears` runs) instead of PyTorch's matmul; None: where "auto" would pick it.
     `dtypes`: which of `MEASURABLE_DTYPES` to time; a step-time model reads only its engine's. Asking for just
-    that one matters on a CPU without bf16 instructions when the engine runs fp32: PyTorch's bf16 matmul of 2048
-    takes ~50 s there (a 2-core AVX2 EPYC), so timing a dtype the engine never runs added 5 minutes to `make demo`."""
+    that one matters on a CPU without bf16 instructions when the engine runs fp32: PyTorch's bf16 matmul takes its
+    slow path there (`trt_engines.cpu_kernels`), and timing it, for a dtype the engine never runs, took minutes."""
     import torch
 
     from trt_engines.cpu_kernels import Bf16Linear, cpu_has_native_bf16

@@ -181,7 +181,7 @@ def test_outputs_do_not_depend_on_the_vector_width(tmp_path, monkeypatch):
     # The micro-kernel works in 8- or 16-float vectors (AVX2 / AVX-512, `VECTOR_FLOATS`); every output is the same
     # chain of fused multiply-adds either way, so the bits are the same (LLVM splits 16-float vectors into two on
     # AVX2, so both widths run on any x86 CPU). The width is fixed at import: this process computes at its own,
-    # a subprocess at the other, which compiles every kernel afresh (~30 s here; the on-disk cache is off there).
+    # a subprocess at the other, which compiles every kernel afresh (the on-disk cache is off there).
     from trt_engines.cpu_kernels import VECTOR_FLOATS
 
     script = tmp_path / "outputs.py"
