@@ -13,7 +13,8 @@ Policies (`BudgetPolicy.parse`):
   still rises, and the predicted step time stays within every request's TPOT objective. The expected tokens a
   request gets from a step are 1 (bonus) + the sum of its selected node probabilities, because `probs` are
   calibrated path-acceptance probabilities. When extra tokens cost as much as they are expected to return,
-  k = 0: speculation turns itself off.
+  k = 0: speculation turns itself off. An offline batch that only drains maximizes the time it saves instead
+  (offline batches, below).
 
 Node selection keeps trees valid: within a tree, probabilities never increase along a path and ties go to the
 lower (earlier, parents-first) index, so the k best nodes of a tree always include their ancestors.
@@ -56,22 +57,22 @@ Closed loop (`observe`, called by the orchestrator after every step):
   choosing; the chosen step's prediction uses the engine's grouping. On a grouped engine the best prefix is then
   compared, at the engine's grouping, with allocations that cap every request at L nodes (L = 1, 2, 4, ...), since
   a few deep trees among shallow ones pad the calls they share;
-- offline batches (`remaining_steps`, passed by an `Orchestrator(offline_batch=True)` once no request waits): the job
-  ends when its slowest request does, so each request's tokens are weighed by its steps left relative to the slowest
-  request's. Greedy goodput otherwise finishes the easy requests first and leaves the hard ones to a long, nearly
-  empty tail (grounded set, cap 16: about 40% of the run's time with fewer than 16 requests running, against a
-  third for `fixed:4`). Known limit: drafts that hit unevenly part the requests' finishing times, so a goodput
-  batch drains through a tail of small steps that `none`, whose requests finish in lockstep, never runs. Where
-  speculation's per-step gain is thin this tail can cost more than it gains: on the AVX2 CPU at MT-Bench cap 16
-  goodput made 0.95-0.97 of `none` in each of 3 rounds with the earlier dot-product kernels (`throughput_avx2.md`
-  at commit 91cd3dd), and 0.96-0.98 in each of 3 rounds with the register-blocked kernels (the file at d67abef;
-  1.03 in the full run's single round before it, which was noise: one round does not settle this group; 1.02 in
-  the single round of the full run at e7bdfc6, 0.98 in that of 0d7fadc, whose fused verify forward made plain
-  steps about twice as fast, 0.978 in that of 03d16e1, where both spent the same time in verify steps and the
-  gap was prefills measured 6% slower for the same work, 0.992 in that of b675a32: the same verify time again,
-  prefills 2.5% slower and 0.10 s of probing drafts, 1.0025 in that of 8041efb: 0.41 nodes per request-step,
-  the same verify time within 0.3%, and 0.994 in that of a20702f: 0.45 nodes per request-step, 350 verify steps of
-  66.2 ms against 382 of 58.4; none re-measured in rounds).
+- offline batches (`remaining_steps` and `tokens_per_step`, passed by an `Orchestrator(offline_batch=True)` once no
+  request waits): the job ends when its slowest request does, so the objective is the drain's time, not this step's
+  throughput (`_DrainTime`): the seconds of future steps that the chosen nodes' expected tokens save, minus what they
+  add to this step. The drain's time left is about fixed * (the slowest request's steps left) + row * (every
+  request's steps left), so a token saves one row for any request and, for the request that finishes last, the
+  fixed part of a tail step as well (`_drain_token_seconds`; both constants come from the corrected plain step).
+  Greedy goodput otherwise finishes the easy requests first and leaves the hard ones to a long, nearly empty tail
+  (grounded set, cap 16: about 40% of the run's time with fewer than 16 requests running, against a third for
+  `fixed:4`). The rule before this one weighed each request's tokens by its steps left relative to the slowest's
+  inside the throughput ratio. That still paid for nodes on requests far from the tail, where a token saves one
+  row and its verify row costs about as much, and it priced the slowest request's nodes at this step's time shared
+  over the weights instead of the tail step they save. Known limit: drafts that hit unevenly part the requests'
+  finishing times, so a goodput batch drains through a tail of small steps that `none`, whose requests finish in
+  lockstep, never runs. Where speculation's per-step gain is thin (the AVX2 CPU at MT-Bench cap 16: plain batch-16
+  steps near the machine's limits, low acceptance) goodput sits at about `none`'s throughput, within the
+  run-to-run noise of that group (`throughput_avx2.md`; each earlier round's figure is in the git log).
 
 - per-request ceiling: at most max(4, T / b) nodes per request, T = the larger of `batch_node_ceiling` (64) and
   the roofline's free token budget (SSSD's knee: ~12 tokens on this CPU, ~295 for bf16 on an H100). The calibrated
@@ -310,11 +311,12 @@ class BudgetController:
         tpot_s: np.ndarray | None = None,
         request_ids: Sequence | None = None,
         remaining_steps: np.ndarray | None = None,
+        tokens_per_step: np.ndarray | None = None,
     ) -> tuple[list[DraftTree], BudgetDecision]:
         """Choose the nodes each request verifies this step; returns pruned trees and the decision. `request_ids`
         (in the trees' order) lets `goodput` weigh each request by its own realized acceptance. `remaining_steps`
-        (per request, given while an offline batch drains): `goodput` weighs each request's tokens by its steps left
-        relative to the slowest request's, which sets when the batch finishes."""
+        (per request, given while an offline batch drains; `tokens_per_step`: each request's rate so far, default 1):
+        `goodput` then values each request's tokens by the future step time they save (`_drain_token_seconds`)."""
         b = len(trees)
         context = np.asarray(context, dtype=np.float64)
         ones = np.ones(b)
@@ -333,13 +335,41 @@ class BudgetController:
         ceiling = self.node_ceiling(b)
         trees = [prune_tree(t, ceiling) for t in trees]
         factors = self.request_factors(request_ids, b)
-        weights = np.ones(b) if remaining_steps is None else _drain_weights(np.asarray(remaining_steps, np.float64))
-        nodes, step_s, tokens, gain, chosen = self._goodput_nodes(trees, context, tpot_s, factors, weights, base_s)
+        draft_s = self.draft_s_per_request * b
+        if remaining_steps is None:
+            objective: _Objective = _Throughput(draft_s, np.ones(b))
+        else:
+            rate = ones if tokens_per_step is None else np.maximum(np.asarray(tokens_per_step, np.float64), 1.0)
+            seconds = self._drain_token_seconds(np.asarray(remaining_steps, np.float64), rate, context, base_s)
+            objective = _DrainTime(draft_s, seconds)
+        nodes, step_s, tokens, gain, chosen = self._goodput_nodes(trees, context, tpot_s, factors, objective, base_s)
         pruned = [_keep_nodes(t, keep) for t, keep in zip(trees, chosen)]
         return pruned, BudgetDecision(nodes, step_s, tokens, base_s, gain,
                                       request_ids=None if request_ids is None else tuple(request_ids),
                                       node_probs=_node_probs(pruned), node_depths=_node_depths(pruned),
                                       node_sources=_node_sources(pruned))
+
+    def _drain_token_seconds(self, remaining_steps: np.ndarray, tokens_per_step: np.ndarray, context: np.ndarray,
+                             base_s: float) -> np.ndarray:
+        """Per request, the future step time one more accepted token saves while an offline batch drains.
+
+        The drain's remaining time is about sum over its future steps of (fixed + rows * row), i.e.
+        fixed * (the slowest request's steps left) + row * (everyone's steps left). A token takes 1 / rate of a step
+        off its request: one row's time for any request, plus the fixed part of a step for the one that finishes
+        last (shared among the requests within one step of it, which must all shorten before the tail does). The
+        constants come from the corrected plain-step model: this step's time at b rows and the slowest request's
+        step alone."""
+        b = remaining_steps.shape[0]
+        slowest = int(np.argmax(remaining_steps))
+        step_b = self.plain_scale * base_s
+        step_1 = self.plain_scale * self.step_model.predict(np.ones(1), context[slowest:slowest + 1])
+        row = max(step_b - step_1, 0.0) / (b - 1) if b > 1 else 0.0
+        fixed = max(step_1 - row, 0.0)
+        # which request finishes last is uncertain: its steps left drift by about their square root as drafts hit
+        # or miss, so the tail's fixed part is shared by a softmax over that spread
+        spread = max(1.0, float(np.sqrt(remaining_steps[slowest])))
+        last = np.exp((remaining_steps - remaining_steps[slowest]) / spread)
+        return (row + fixed * last / last.sum()) / tokens_per_step
 
     def _plain_decision(self, context: np.ndarray, base_s: float, request_ids: Sequence | None) -> BudgetDecision:
         """`_goodput_nodes`' answer when there is no candidate, without its machinery (half a millisecond per step
@@ -360,7 +390,7 @@ class BudgetController:
                               request_ids=None if request_ids is None else tuple(request_ids), node_probs=np.zeros(0),
                               node_depths=np.zeros(0, np.int32), node_sources=np.zeros(0, np.int16))
 
-    def _goodput_nodes(self, trees, context, tpot_s, factors, weights, plain_s):
+    def _goodput_nodes(self, trees, context, tpot_s, factors, objective: "_Objective", plain_s):
         b = len(trees)
         model = self.step_model
         ones = np.ones(b)
@@ -376,19 +406,17 @@ class BudgetController:
                                                 _node_sources(trees))
         probs = np.minimum(factors[owner] * values, 1.0)
         index = np.arange(owner.shape[0]) - starts[owner]
-        value = weights[owner] * probs  # what a node is worth to the objective; `probs` stay the predictions
+        value = objective.token_worth[owner] * probs  # what a node is worth to the objective; `probs` stay the predictions
         order = np.argsort(-value, kind="stable")  # ties: candidates are laid out by request, then parents first
         owner, probs, value, index = owner[order], probs[order], value[order], index[order]
         rank_in_owner = _rank_within_groups(owner, b)
 
-        # Drafting is part of this step's time (already spent, also for k = 0), so it stays in the denominator;
         # `gain` compares the result with plain decoding that drafts nothing, which steers the next steps' drafting.
-        draft_s = self.draft_s_per_request * b
-        expected = weights.sum() + np.concatenate([[0.0], np.cumsum(value)])
+        expected = objective.plain_worth + np.concatenate([[0.0], np.cumsum(value)])
         plain_calls = model.extra_attention_calls(ones, context)
         model_s = self._prefix_seconds(owner, rank_in_owner, context, plain_calls)
         step_s = self._corrected(model_s)
-        goodput = self._within_tpot(expected / (step_s + draft_s), expected, step_s, draft_s, tpot_s)
+        goodput = self._within_tpot(objective.score(expected, step_s), step_s, tpot_s)
         k = int(np.argmax(goodput))  # first maximum: the fewest nodes that reach the best goodput
         keep = np.arange(k)  # positions in `order` of the chosen nodes
         best = goodput[k]
@@ -403,24 +431,24 @@ class BudgetController:
             # shape, one call). Small batches too: every call beyond one per layer costs host work (the step-time
             # model's `attention_calls` feature; ~4 ms of a 75 ms step at batch 4 on the CPU), which the packed
             # pricing cannot see: at cap 4, goodput's uneven trees took 4 calls where `fixed:4`'s took one.
-            best = self._grouped_goodput(keep, owner, expected[k], context, draft_s, tpot_s, plain_s, priced)
+            best = self._grouped_goodput(keep, owner, expected[k], context, objective, tpot_s, plain_s, priced)
             for cap in (1, 2, 4, 8):
                 within = np.flatnonzero(rank_in_owner < cap)
-                sub_expected = weights.sum() + np.concatenate([[0.0], np.cumsum(value[within])])
+                sub_expected = objective.plain_worth + np.concatenate([[0.0], np.cumsum(value[within])])
                 sub_s = self._corrected(self._prefix_seconds(owner[within], rank_in_owner[within], context,
                                                              plain_calls))
-                sub_goodput = self._within_tpot(sub_expected / (sub_s + draft_s), sub_expected, sub_s, draft_s, tpot_s)
+                sub_goodput = self._within_tpot(objective.score(sub_expected, sub_s), sub_s, tpot_s)
                 for sub_k in {int(np.argmax(sub_goodput)), within.size} - {0}:
-                    candidate = self._grouped_goodput(within[:sub_k], owner, sub_expected[sub_k], context, draft_s,
+                    candidate = self._grouped_goodput(within[:sub_k], owner, sub_expected[sub_k], context, objective,
                                                       tpot_s, plain_s, priced)
                     if candidate > best:
                         best, keep = candidate, within[:sub_k]
                 if cap > rank_in_owner.max(initial=0):
                     break
-        if best < (1.0 + self.min_gain) * goodput[0]:
+        if objective.excess(best, goodput[0], step_s[0]) < self.min_gain:
             keep = np.arange(0)
             best = goodput[0]
-        gain = float(best * step_s[0] / expected[0] - 1.0)
+        gain = objective.gain(best, expected[0], step_s[0])
         nodes = np.bincount(owner[keep], minlength=b).astype(np.int32)
         expected_per_request = np.bincount(owner[keep], weights=probs[keep], minlength=b)
         if model.attention_layout != "grouped":
@@ -453,13 +481,15 @@ class BudgetController:
                 + self.speculation_overhead * plain_s)
 
     @staticmethod
-    def _within_tpot(goodput, expected, step_s, draft_s, tpot_s):
+    def _within_tpot(goodput, step_s, tpot_s):
         if tpot_s is not None and np.isfinite(tpot_s).any():
+            plain = goodput[0]  # never refuse to decode at all
             goodput = np.where(step_s <= np.nanmin(tpot_s), goodput, -np.inf)
-            goodput[0] = max(goodput[0], expected[0] / (step_s[0] + draft_s))  # never refuse to decode at all
+            goodput[0] = plain
         return goodput
 
-    def _grouped_goodput(self, keep, owner, expected, context, draft_s, tpot_s, plain_s, priced: dict) -> float:
+    def _grouped_goodput(self, keep, owner, expected, context, objective: "_Objective", tpot_s, plain_s,
+                         priced: dict) -> float:
         """Goodput of sending the candidates at positions `keep`, priced at the engine's own attention grouping."""
         tokens = 1.0 + np.bincount(owner[keep], minlength=context.shape[0])
         key = tokens.tobytes()
@@ -468,7 +498,54 @@ class BudgetController:
         seconds = self._speculating_seconds(priced[key], plain_s)
         if tpot_s is not None and np.isfinite(tpot_s).any() and seconds > np.nanmin(tpot_s):
             return -np.inf
-        return expected / (seconds + draft_s)
+        return float(objective.score(expected, seconds))
+
+
+@dataclass(frozen=True)
+class _Throughput:
+    """The step's tokens per second, drafting included: `goodput`'s objective wherever more work may follow."""
+
+    draft_s: float  # this step's drafting: already spent whatever is chosen, so it stays in the denominator
+    token_worth: np.ndarray  # per request, what one expected token is worth (1: every token alike)
+
+    @property
+    def plain_worth(self) -> float:
+        return float(self.token_worth.sum())
+
+    def score(self, expected, step_s):
+        return expected / (step_s + self.draft_s)
+
+    def excess(self, best: float, plain: float, plain_step_s: float) -> float:
+        return best / plain - 1.0
+
+    def gain(self, best: float, plain_expected: float, plain_step_s: float) -> float:
+        """Against plain decoding that drafts nothing."""
+        return float(best * plain_step_s / plain_expected - 1.0)
+
+
+@dataclass(frozen=True)
+class _DrainTime:
+    """Seconds of future steps the step's expected tokens save, minus its own time: an offline batch's objective once
+    nothing waits. The job then ends with its slowest request, so tokens are worth the time they take off the drain
+    (`BudgetController._drain_token_seconds`), not a share of this step's throughput."""
+
+    draft_s: float
+    token_worth: np.ndarray  # per request, seconds one expected token saves
+
+    plain_worth = 0.0  # the plain token each request gets is the same whatever is chosen
+
+    def score(self, expected, step_s):
+        return expected - step_s
+
+    def excess(self, best: float, plain: float, plain_step_s: float) -> float:
+        return (best - plain) / (plain_step_s + self.draft_s)
+
+    def gain(self, best: float, plain_expected: float, plain_step_s: float) -> float:
+        """Against plain decoding that drafts nothing: the seconds saved net of drafting, per plain step."""
+        return float((best - (plain_expected - plain_step_s) - self.draft_s) / plain_step_s)
+
+
+_Objective = _Throughput | _DrainTime
 
 
 # The cost line's prior, as decayed sums [1, x, y, x^2, xy]: two half-weight pseudo-steps on y = x (5% and 15% extra).
@@ -486,16 +563,6 @@ def _speculation_cost_line(sums: np.ndarray) -> tuple[float, float]:
     if intercept < 0:  # speculating cannot make a step cheaper than plain: a line through the origin
         intercept, slope = 0.0, (sxy + ridge_slope) / (sxx + ridge_slope)
     return min(intercept, 1.0), min(max(slope, 0.25), 8.0)
-
-
-def _drain_weights(remaining_steps: np.ndarray) -> np.ndarray:
-    """Each request's steps left relative to the slowest's (at least 1/16): an offline batch finishes when its slowest
-    request does, so a token for a request far ahead of it buys almost nothing while the step it rides on delays
-    everyone."""
-    slowest = remaining_steps.max(initial=0.0)
-    if slowest <= 0:
-        return np.ones(remaining_steps.shape)
-    return np.clip(remaining_steps / slowest, 1 / 16, 1.0)
 
 
 def _node_probs(trees: Sequence[DraftTree]) -> np.ndarray:

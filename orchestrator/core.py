@@ -116,8 +116,8 @@ class Orchestrator:
             raise ValueError(f"draft_timeout_s must be > 0 (or None for no timeout); got {draft_timeout_s}")
         self.draft_timeout_s = draft_timeout_s
         # An offline batch (vLLM's `LLM.generate`): every request is submitted up front and the job is done when the
-        # last one is. Once none wait, the batch only drains, and the budget weighs each request's tokens by its
-        # steps left relative to the slowest request's (`BudgetController.allocate`'s `remaining_steps`). A server
+        # last one is. Once none wait, the batch only drains, and the budget values each request's tokens by the
+        # drain time they save (`BudgetController.allocate`'s `remaining_steps`). A server
         # leaves it off: more requests may arrive at any time, and each request's own latency counts.
         self.offline_batch = offline_batch
         # Micro-batches (module docstring): None decides each step, an int fixes it (1: every step verifies the whole
@@ -211,7 +211,7 @@ class Orchestrator:
         budget_started = time.perf_counter()
         trees, decision = self.budget.allocate(trees, context, tpot_s=tpot if np.isfinite(tpot).any() else None,
                                                request_ids=[s.request_id for s in states],
-                                               remaining_steps=self._remaining_steps(states))
+                                               **self._drain(states))
         budget_s = time.perf_counter() - budget_started
 
         items = [VerifyItem(s.request_id, t) for s, t in zip(states, trees)]
@@ -313,13 +313,14 @@ class Orchestrator:
             self._draft_s_per_request.append((time.perf_counter() - started) / len(states))
         return trees, fallbacks
 
-    def _remaining_steps(self, states: list[_Running]) -> np.ndarray | None:
-        """While an offline batch drains: per request, tokens left (to max_tokens) over its tokens per step so far."""
+    def _drain(self, states: list[_Running]) -> dict[str, np.ndarray]:
+        """While an offline batch drains, `allocate`'s `remaining_steps` and `tokens_per_step`: per request, tokens
+        left (to max_tokens) over its tokens per step so far, and that rate. Otherwise nothing."""
         if not self.offline_batch or self.waiting:
-            return None
+            return {}
         left = np.array([s.request.max_tokens - len(s.output) for s in states], dtype=np.float64)
         per_step = np.array([max(s.stats.tokens_per_step, 1.0) for s in states])
-        return left / per_step
+        return {"remaining_steps": left / per_step, "tokens_per_step": per_step}
 
     def run_until_idle(self, *, max_steps: int | None = None) -> None:
         steps = 0

@@ -353,8 +353,16 @@ def test_a_draining_offline_batch_speculates_for_its_slowest_request():
     assert draining.nodes[0] >= even.nodes[0] and np.all(draining.nodes[1:] < draining.nodes[0])
     # predictions stay the nodes' own expected acceptance, whatever weight chose them
     assert draining.predicted_tokens[0] - 1 == pytest.approx(trees[0].probs[:draining.nodes[0]].sum())
+    # two requests about as far from done: either may finish last, so both are worth the tail's nodes
+    _, pair = controller.allocate(trees, context, remaining_steps=np.array([200.0, 198, 10, 10, 10, 10, 10, 10]))
+    assert min(pair.nodes[:2]) > max(pair.nodes[2:])
+    # a request four times as fast takes a quarter of a step off per token: its deepest nodes no longer pay
+    _, faster = controller.allocate(trees, context, remaining_steps=remaining,
+                                    tokens_per_step=np.array([4.0, 1, 1, 1, 1, 1, 1, 1]))
+    assert max(faster.nodes[1:]) < faster.nodes[0] < draining.nodes[0]
+    # level requests share the tail: equal shares again, and every token saves a step's share, so it still pays
     _, level = controller.allocate(trees, context, remaining_steps=np.full(8, 50.0))
-    assert np.array_equal(level.nodes, even.nodes)
+    assert len(set(level.nodes.tolist())) == 1 and level.nodes[0] > 0
 
 
 def test_drafting_that_costs_more_than_it_returns_backs_off_and_probes_again():

@@ -114,7 +114,7 @@ def test_every_policy_gives_plain_greedy_output(engine, datastore, prompt_ids, r
 
 
 def test_an_offline_batch_drains_losslessly(engine, datastore, prompt_ids, reference):
-    # Requests of different lengths: once the queue is empty the drain weighs the slowest request's tokens most,
+    # Requests of different lengths: once the queue is empty the drain values the slowest request's tokens most,
     # which changes who gets nodes, never what is generated.
     orchestrator = make_orchestrator(engine, datastore, "goodput", max_running=3, offline_batch=True)
     free_before = engine.free_blocks()
