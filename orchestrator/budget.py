@@ -356,9 +356,9 @@ class BudgetController:
         The drain's remaining time is about sum over its future steps of (fixed + rows * row), i.e.
         fixed * (the slowest request's steps left) + row * (everyone's steps left). A token takes 1 / rate of a step
         off its request: one row's time for any request, plus the fixed part of a step for the one that finishes
-        last (shared among the requests within one step of it, which must all shorten before the tail does). The
-        constants come from the corrected plain-step model: this step's time at b rows and the slowest request's
-        step alone."""
+        last (shared by a softmax over the requests' steps left, below: requests level with the slowest must all
+        shorten before the tail does). The constants come from the corrected plain-step model: this step's time at
+        b rows and the slowest request's step alone."""
         b = remaining_steps.shape[0]
         slowest = int(np.argmax(remaining_steps))
         step_b = self.plain_scale * base_s
@@ -406,7 +406,7 @@ class BudgetController:
                                                 _node_sources(trees))
         probs = np.minimum(factors[owner] * values, 1.0)
         index = np.arange(owner.shape[0]) - starts[owner]
-        value = objective.token_worth[owner] * probs  # what a node is worth to the objective; `probs` stay the predictions
+        value = objective.token_worth[owner] * probs  # a node's worth to the objective; `probs` stay the predictions
         order = np.argsort(-value, kind="stable")  # ties: candidates are laid out by request, then parents first
         owner, probs, value, index = owner[order], probs[order], value[order], index[order]
         rank_in_owner = _rank_within_groups(owner, b)
