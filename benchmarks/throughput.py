@@ -549,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
         args.rounds = 1
         # As the full run (below), twice the cap, and 128 tokens: with `cap` prompts of 64 tokens a cap-4 row was
         # one batch that prefilled and drained, which prefill and the controller's first steps dominated, and
-        # goodput there could fall below none where the full run (`throughput_avx2.md`) has it 1.15-1.19x. A row
+        # goodput there could fall below none where the full run (`throughput_avx2.md`) has it 1.09-1.21x. A row
         # this short still moves a few percent from run to run.
         prompts_per_cap = lambda cap: max(2 * cap, 4)  # noqa: E731
     else:

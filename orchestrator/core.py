@@ -117,8 +117,8 @@ class Orchestrator:
         self.draft_timeout_s = draft_timeout_s
         # An offline batch (vLLM's `LLM.generate`): every request is submitted up front and the job is done when the
         # last one is. Once none wait, the batch only drains, and the budget values each request's tokens by the
-        # drain time they save (`BudgetController.allocate`'s `remaining_steps`). A server
-        # leaves it off: more requests may arrive at any time, and each request's own latency counts.
+        # drain time they save (`BudgetController.allocate`'s `remaining_steps` and `tokens_per_step`, from
+        # `_drain`). A server leaves it off: more requests may arrive at any time, and each one's latency counts.
         self.offline_batch = offline_batch
         # Micro-batches (module docstring): None decides each step, an int fixes it (1: every step verifies the whole
         # batch; more: pipelined even on the CPU, which is for tests, since there both threads share the cores).
