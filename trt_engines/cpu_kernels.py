@@ -550,7 +550,7 @@ def _tree_attention_kernel(head_dim: int):
     """The attention kernel compiled for one head_dim: a constant there, so the loops over it unroll."""
 
     @njit(parallel=True, fastmath=_FASTMATH, boundscheck=False, cache=_CACHE)
-    def kernel(q, k_pool, v_pool, row_start, rows, ctx, key_start, key_slots, mask_start, mask,
+    def kernel(q, k_pool, v_pool, row_start, rows, ctx, key_start, key_slots, mask_start, mask, reach,
                task_segment, task_kv, task_first, task_rows, group, scale, out):
         """softmax(q k^T * scale) v for every query row, over its visible keys only (module docstring). A task is
         a run of `task_rows` query rows from `task_first` of segment `task_segment`'s rows under the heads that
@@ -559,14 +559,19 @@ def _tree_attention_kernel(head_dim: int):
         q [T, H, D], k_pool and v_pool [KV, slots, D], out [T, H * D]: all bf16 bits. Per segment s: its first
         packed row `row_start[s]`, `rows[s]` query rows, `ctx[s]` cached keys, its keys' flat slots
         `key_slots[key_start[s]:][:ctx + rows]`, and its [rows, rows] mask over its own new tokens at
-        `mask[mask_start[s]:]` (uint8, row-major). Scores, softmax and the weighted sum run in fp32; `out` may be
-        fp32."""
+        `mask[mask_start[s]:]` (uint8, row-major); per packed row, `reach` is the last of its segment's new tokens
+        it sees. Scores, softmax and the weighted sum run in fp32; `out` may be fp32."""
         dim = head_dim
         value_width = (dim + LANES - 1) // LANES * LANES
         for task in prange(task_segment.shape[0]):
             s, kv, first, count = task_segment[task], task_kv[task], task_first[task], task_rows[task]
             n, c, r0 = rows[s], ctx[s], row_start[s]
-            keys = c + n
+            # only the keys some row of the task sees: a prefill's early rows skip the later tokens' keys (half of a
+            # causal prefill's work); keys past a row's reach weigh exactly 0 for it, so dropping them changes no bit
+            last = 0
+            for row in range(count):
+                last = max(last, reach[r0 + (first + row) % n])
+            keys = c + last + 1
             slots = key_slots[key_start[s]:key_start[s] + keys]
             q_bits = np.empty((count, dim), np.uint32)
             for row in range(count):
@@ -597,7 +602,7 @@ def _tree_attention_kernel(head_dim: int):
                 for t in range(c):  # the context: contiguous, so these copies vectorise
                     weights[t] = scores[row, t] * scale
                 m = c
-                for j in range(n):
+                for j in range(reach[r0 + i] + 1):
                     if mask[mask_start[s] + i * n + j]:
                         visible[m] = c + j
                         weights[m] = scores[row, c + j] * scale
@@ -635,7 +640,8 @@ def tree_attention_bits(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, l
     out = np.empty((T, H * D), np.float32 if fp32_out else np.uint16)
     tasks = layout.tasks(k_pool.shape[0], H // k_pool.shape[0])
     _tree_attention_kernel(D)(q, k_pool, v_pool, layout.row_start, layout.rows, layout.ctx, layout.key_start,
-                              layout.key_slots, layout.mask_start, layout.mask, *tasks, H // k_pool.shape[0],
+                              layout.key_slots, layout.mask_start, layout.mask, layout.reach, *tasks,
+                              H // k_pool.shape[0],
                               np.float32(D ** -0.5), out)
     return out
 
@@ -654,6 +660,11 @@ class TreeAttentionLayout:
         self.key_start = np.concatenate([[0], np.cumsum([len(s) for _, _, s, _ in segments])[:-1]]).astype(np.int64)
         self.mask = np.concatenate([m.astype(np.uint8).reshape(-1) for _, _, _, m in segments])
         self.mask_start = np.concatenate([[0], np.cumsum([k * k for k in n])[:-1]]).astype(np.int64)
+        # per packed row (segments in row order), the last of its segment's new tokens it sees
+        reach = np.zeros(max((first + k for (first, _, _, _), k in zip(segments, n)), default=0), np.int64)
+        for (first, _, _, m), k in zip(segments, n):
+            reach[first:first + k] = k - 1 - np.argmax(m[:, ::-1], axis=1)
+        self.reach = reach
         if not np.array_equal(self.key_start + self.ctx + self.rows, np.cumsum([len(s) for _, _, s, _ in segments])):
             raise ValueError("each segment needs the flat slots of its context and its new tokens (ctx + rows keys)")
         self._tasks: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}
