@@ -29,7 +29,7 @@ from benchmarks.plotting import panels_by_set
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 NAMES = ("datastore", "verify_cost", "attention_calls", "acceptance", "draft_batch", "throughput", "throughput_avx2",
-         "batch_invariance", "serving", "simulator_validation", "projection", "gpu_verify_cost")
+         "batch_invariance", "prefix_cache", "serving", "simulator_validation", "projection", "gpu_verify_cost")
 BEGIN, END = "<!-- headline:begin -->", "<!-- headline:end -->"
 
 
@@ -92,6 +92,13 @@ def headline_rows(results: dict[str, dict]) -> list[tuple[str, str, str, str]]:
                      " vs ".join(_fmt(s.get(f"plain_ms_b1_{n}"), ".1f") for n, _ in timed) + ", "
                      + " vs ".join(_fmt(s.get(f"step_ms_b1_n16_{n}"), ".1f") for n, _ in timed),
                      "", "batch_invariance"))
+    if "prefix_cache" in results:
+        by_set = {r["set"]: r for r in results["prefix_cache"]["rows"]}
+        single = [r["time_ratio"] for name, r in by_set.items() if name != "mtbench second turns"]
+        second = by_set.get("mtbench second turns")
+        rows.append(("prefill time with / without prefix caching: single turns (min-max over sets), MT-Bench second "
+                     "turns", f"{min(single):.2f}-{max(single):.2f}, {_fmt(second and second['time_ratio'])}", "",
+                     "prefix_cache"))
     if "serving" in results:
         s = results["serving"]["summary"]
         rows.append(("Triton serving p50 latency goodput / none, low and high load",

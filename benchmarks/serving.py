@@ -201,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             for policy in POLICIES:
                 stack.set_policy(policy)
                 stack.clear_history()  # no policy drafts from another's outputs of these prompts
+                stack.reset_prefix_cache()  # nor reads their prefills from another's cached blocks
                 rows = run_point(url, prompts, arrivals, max_tokens=args.max_tokens, tpot_ms=args.tpot_ms)
                 outputs[policy] = [r.get("tokens") for r in rows]
                 point = {"rate": rate, "policy": policy, **summarize(rows, args.tpot_ms / 1e3)}

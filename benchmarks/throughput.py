@@ -86,9 +86,13 @@ class _PolicyRun:
         self.to_generate = sum(lengths) if lengths is not None else max_tokens * len(prompts)  # at most, with EOS
         self.shared_steps = self.own_steps = 0  # steps taken while every other policy was busy too / all its steps
         tag = policy.replace(":", "")
-        # `lengths`: exactly that many tokens per request, EOS ignored (the same work for every policy)
-        requests = [GenerationRequest(prompt_ids=tuple(int(t) for t in p), max_tokens=max_tokens) if lengths is None
-                    else GenerationRequest(prompt_ids=tuple(int(t) for t in p), max_tokens=n, ignore_eos=True)
+        # `lengths`: exactly that many tokens per request, EOS ignored (the same work for every policy). The salt
+        # keeps each policy's prompts in its own prefix cache: they share the chat template's blocks with each other,
+        # as a served batch does, but never a prompt another policy prefilled.
+        requests = [GenerationRequest(prompt_ids=tuple(int(t) for t in p), max_tokens=max_tokens, cache_salt=tag)
+                    if lengths is None else
+                    GenerationRequest(prompt_ids=tuple(int(t) for t in p), max_tokens=n, ignore_eos=True,
+                                      cache_salt=tag)
                     for p, n in zip(prompts, lengths or [max_tokens] * len(prompts))]
         self.ids = [self.orchestrator.submit(r, self.collect, request_id=f"{tag}-p{i}") for i, r in enumerate(requests)]
 
@@ -129,11 +133,14 @@ def serve_side_by_side(engine, drafter, step_model, policies: list[str], prompts
     it alone (HumanEval cap 1: `none` 23% slower than the run before while the others moved by 4% or less). Balanced,
     every policy's steps during a burst cover the same share of its work, so all finish together
     (`shared_steps_fraction`: the share of a policy's steps taken while every other policy was still busy).
-    Engine and step-time model are shared; request ids are per policy. Each policy
+    Engine and step-time model are shared; request ids and prefix-cache salts are per policy, and the engine's
+    prefix cache starts empty. Each policy
     drafts with its own `drafter.fresh()`: an output history shared between policies would let one draft a prompt
     from another's output for the same prompt.
     `lengths` (per prompt) fixes every request's output length, EOS ignored; otherwise up to `max_tokens` or EOS.
     """
+    if hasattr(engine, "reset_prefix_cache"):
+        engine.reset_prefix_cache()  # an earlier run's blocks of these prompts would make their prefills free
     runs = {p: _PolicyRun(engine, drafter.fresh(), step_model, p, prompts, cap=cap, max_tokens=max_tokens,
                           lengths=lengths)
             for p in policies}
@@ -157,11 +164,12 @@ def _summarize_run(run: _PolicyRun) -> dict:
     n_tokens = sum(len(outputs[i]) for i in ids)
     records = list(orchestrator.records)
     step_errors = [abs(r.predicted_s - r.measured_s) / r.measured_s for r in records if r.measured_s > 0]
-    prefills = [(n, t) for r in records for n, t in zip(r.prefill_tokens, r.prefill_s)]
+    # (tokens computed, seconds, tokens read from the prefix cache: the computed ones attend over them)
+    prefills = [(n, t, c) for r in records for n, t, c in zip(r.prefill_tokens, r.prefill_s, r.prefill_cached)]
     model = orchestrator.budget.step_model
     samples = [(model.features(1.0 + np.asarray(r.nodes, np.float64), np.asarray(r.context, np.float64)), r.measured_s)
                for r in records]
-    verify_s, prefill_s = sum(r.measured_s for r in records), sum(t for _, t in prefills)
+    verify_s, prefill_s = sum(r.measured_s for r in records), sum(t for _, t, _ in prefills)
     draft_s, budget_s = sum(r.draft_s for r in records), sum(r.budget_s for r in records)
     # Host work that is neither verification, drafting, budgeting nor prefill: acceptance, KV commits, streaming.
     host_steps = [(r.batch, r.step_s - r.measured_s - r.draft_s - r.budget_s - sum(r.prefill_s)) for r in records]
@@ -259,7 +267,7 @@ def run(sets: list[str], caps: list[int], policies: list[str], *, prompts_per_ca
     # replay this run (prefills are compute-bound and have their own constants).
     step_model.fit_samples(all_samples)
     prefill_model = step_model.clone()
-    prefill_model.fit([(np.array([float(n)]), np.zeros(1), t) for n, t in prefills])
+    prefill_model.fit([(np.array([float(n)]), np.array([float(c)]), t) for n, t, c in prefills])
     per_set = -(-identity_prompts // len(sets))
     identity_prompts_ids = [t.prompt_ids for name in sets
                             for t in load_trajectories(trajectory_path(name, "eval"))[:per_set]]
@@ -289,7 +297,7 @@ def _group_fit(step_model: StepTimeModel, set_name: str, cap: int, samples, pref
     steps = step_model.clone()
     steps.fit_samples(samples)
     prefill = step_model.clone()
-    prefill.fit([(np.array([float(n)]), np.zeros(1), t) for n, t in prefills])
+    prefill.fit([(np.array([float(n)]), np.array([float(c)]), t) for n, t, c in prefills])
     return {"set": set_name, "cap": cap, "steps": len(samples), "prefills": len(prefills),
             "step_model": steps.coefficients.tolist(), "prefill_model": prefill.coefficients.tolist(),
             "host_overhead": fit_host_overhead(host_steps)}

@@ -65,8 +65,9 @@ class StepRecord:
     draft_s: float  # drafting the step waited for (with micro-batches: what outlasted the verify beside it)
     step_s: float  # wall time of the whole step
     fallbacks: int
-    prefill_tokens: list[int] = field(default_factory=list)  # prompt length of each request admitted this step
+    prefill_tokens: list[int] = field(default_factory=list)  # prompt tokens each admission computed this step
     prefill_s: list[float] = field(default_factory=list)  # and its prefill's wall time
+    prefill_cached: list[int] = field(default_factory=list)  # and its prompt tokens read from the prefix cache
     context: list[int] = field(default_factory=list)  # cached tokens of each running request before the step
     budget_s: float = 0.0  # the budget controller's allocation
     micro_batches: int = 1  # micro-batches the running requests took turns in (`batch` is this step's one)
@@ -136,7 +137,7 @@ class Orchestrator:
         # KV admission ledger: blocks reserved for each running request's whole life (prompt + max_tokens + the
         # temporary slots of the largest tree), so lazily-allocating engines can never run out mid-generation.
         self._reserved: dict[str, int] = {}
-        self._prefills: list[tuple[int, float]] = []  # (prompt tokens, seconds) of this step's admissions
+        self._prefills: list[tuple[int, float, int]] = []  # (computed, seconds, cached) of this step's admissions
 
     # -- client side ----------------------------------------------------------------------------------------------
     def submit(self, request: GenerationRequest, on_output: OutputCallback | None = None, *,
@@ -258,7 +259,8 @@ class Orchestrator:
             predicted_tokens=float(decision.predicted_tokens.sum()), realized_tokens=realized,
             predicted_s=decision.predicted_step_s, measured_s=measured_s, draft_s=draft_s, budget_s=budget_s,
             step_s=time.perf_counter() - started, fallbacks=fallbacks,
-            prefill_tokens=[n for n, _ in self._prefills], prefill_s=[t for _, t in self._prefills],
+            prefill_tokens=[n for n, _, _ in self._prefills], prefill_s=[t for _, t, _ in self._prefills],
+            prefill_cached=[c for _, _, c in self._prefills],
             context=context.astype(int).tolist(), micro_batches=micro_batches, overlapped_draft_s=overlapped_s,
         )
         self.records.append(record)
@@ -348,8 +350,14 @@ class Orchestrator:
                 state.detok = IncrementalDetokenizer(self.tokenizer, request.stop_strings)
             try:
                 prefill_started = time.perf_counter()
-                first = self.engine.add_request(request_id, list(request.prompt_ids), request.sampling)
-                self._prefills.append((len(request.prompt_ids), time.perf_counter() - prefill_started))
+                # a salt only where asked for: engines without a prefix cache need not take one
+                salt = {} if request.cache_salt is None else {"cache_salt": request.cache_salt}
+                first = self.engine.add_request(request_id, list(request.prompt_ids), request.sampling, **salt)
+                seconds = time.perf_counter() - prefill_started
+                cached = self.engine.cached_prompt_tokens(request_id) if hasattr(self.engine,
+                                                                                 "cached_prompt_tokens") else 0
+                self._prefills.append((len(request.prompt_ids) - cached, seconds, cached))
+                state.stats.cached_prompt_tokens = cached
             except KVCacheFullError:
                 self.waiting.appendleft((request_id, request, callback))
                 break

@@ -27,6 +27,7 @@ class GenerationRequest:
     stop_strings: tuple[str, ...] = ()
     ignore_eos: bool = False
     tpot_s: float | None = None  # time-per-output-token objective (seconds); None = no objective
+    cache_salt: str | None = None  # prefix-cache namespace: requests with other salts never share cached KV blocks
 
     def __post_init__(self) -> None:
         if len(self.prompt_ids) == 0:
@@ -37,6 +38,8 @@ class GenerationRequest:
             raise ValueError(f"tpot objective must be a positive number of seconds; got {self.tpot_s!r}")
         if any(not s for s in self.stop_strings):
             raise ValueError("stop strings must be non-empty")
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise ValueError(f"cache_salt must be a string or None; got {type(self.cache_salt).__name__}")
 
 
 @dataclass
@@ -45,6 +48,7 @@ class RequestStats:
     drafted: int = 0  # draft nodes it sent
     accepted: int = 0  # draft tokens accepted
     fallbacks: int = 0  # steps where drafting failed and it decoded plainly
+    cached_prompt_tokens: int = 0  # prompt tokens read from the engine's prefix cache instead of computed
 
     @property
     def tokens_per_step(self) -> float:

@@ -90,6 +90,7 @@ def test_models_health_completions_chat_and_metrics(server):
         assert choice["token_ids"] == server["reference"][0]
         assert choice["text"] == stack.tokenizer.decode(server["reference"][0])
         assert body["usage"]["completion_tokens"] == len(server["reference"][0])
+        assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}  # fp32: no prefix cache by default
         assert body["retrospec"]["steps"] >= 1
         text_body = client.post("/v1/completions", json=completion(PROMPTS[0])).json()  # text prompt, same ids
         assert text_body["choices"][0]["token_ids"] == server["reference"][0]
@@ -121,6 +122,7 @@ BAD = [
     ("unknown model", completion("hi", model="gpt-4"), 404, "does not exist"),
     ("oversized body", completion("x" * 100_000), 413, "limit"),
     ("unknown field", completion("hi", frobnicate=1), 400, "unknown field"),
+    ("bad cache_salt", completion("hi", cache_salt=5), 400, "cache_salt"),
     ("chat without messages", {"model": "retrospec", "messages": []}, 400, "messages"),
 ]
 

@@ -92,6 +92,26 @@ def test_engine_refuses_unknown_prompts_and_sampling(eval_trajectories):
     assert engine.free_blocks() == engine.total_blocks() and not engine.requests
 
 
+def test_prefix_caching_charges_only_the_prompt_tokens_no_earlier_request_left(eval_trajectories):
+    first, second = eval_trajectories[0], eval_trajectories[1]
+    shared = next(i for i, (x, y) in enumerate(zip(first.prompt_ids, second.prompt_ids)) if x != y)
+    assert shared >= 16  # the chat template's head: at least one full block in common
+    model = StepTimeModel(LLAMA_8B, KNOWN_HARDWARE["H100-SXM"])
+    clock = SimClock()
+    engine = SimulatedEngine(model, clock, trajectories={tuple(t.prompt_ids): t.output_ids for t in (first, second)},
+                             vocab_size=LLAMA_8B.vocab, prefix_caching=True)
+    engine.add_request("a", first.prompt_ids.tolist())
+    assert engine.cached_prompt_tokens("a") == 0
+    before = clock.now
+    engine.add_request("b", second.prompt_ids.tolist())
+    cached = shared // 16 * 16
+    assert engine.cached_prompt_tokens("b") == cached
+    assert clock.now - before == pytest.approx(model.predict(np.array([len(second.prompt_ids) - cached]),
+                                                             np.array([cached])))
+    engine.add_request("c", first.prompt_ids.tolist(), cache_salt="other")  # another salt shares nothing
+    assert engine.cached_prompt_tokens("c") == 0
+
+
 @pytest.mark.parametrize("policy", ["none", "fixed:8", "goodput"])
 def test_simulation_reproduces_the_trajectories_and_counts_time(eval_trajectories, drafter, policy):
     max_tokens = 48

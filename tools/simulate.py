@@ -87,6 +87,7 @@ class Deployment:
     # Host work per step beyond drafting (acceptance, KV commits, streaming): seconds per step and per running
     # request, charged on top of `host_time`. Zero by default; `benchmarks/throughput.py` fits it on the CPU.
     host_overhead: tuple[float, float] = (0.0, 0.0)
+    prefix_caching: bool = True  # prompts reuse earlier requests' full KV blocks (both real engines do by default)
     attention_layout: str = "packed"  # the engine's (`StepTimeModel.attention_layout`): TensorRT-LLM packs
     # where it verifies: on a "gpu" the orchestrator may split the batch into micro-batches that take turns, one
     # drafted on the host while another is verified (`simulate(micro_batches=...)`); on the "cpu" it never does
@@ -229,7 +230,7 @@ def simulate(deployment: Deployment, workload: Workload, policy: str, drafter, *
     engine = SimulatedEngine(deployment.step_model(), clock, trajectories=outputs, vocab_size=deployment.shape.vocab,
                              eos_token_ids=tuple(eos), max_context=deployment.max_context,
                              num_blocks=deployment.kv_blocks, prefill_model=deployment.step_model(prefill=True),
-                             device=deployment.device)
+                             device=deployment.device, prefix_caching=deployment.prefix_caching)
     controller_model = _start_up_model(deployment, controller_coefficients)
     controller = BudgetController(BudgetPolicy.parse(policy, max_nodes_per_request=max_nodes), controller_model)
     # every request arriving at t=0 is an offline batch, served as the throughput benchmark serves one

@@ -11,13 +11,89 @@ Vocabulary:
 
 Example (block_size 4): a request with 6 cached tokens holds 2 blocks, say table [7, 2]; its slot 5 is flat slot
 2 * 4 + 1 = 9. Admission asks `blocks_needed(prompt + max_new)` <= `free_blocks()`.
+
+Prefix caching (`prefix_caching=True`; vLLM's automatic prefix caching, TensorRT-LLM's KV block reuse): a full block
+whose K/V are final (`publish`) is keyed by its tokens and the key of the block before it, so one key names one
+exact token prefix (dict keys compare the tokens themselves: no hash collision can hand out another prompt's K/V).
+A new request `match`es its prompt's leading full blocks and `attach`es them: they are shared, counted by
+reference, never written (tree slots and commits lie past the prompt). A block whose last holder leaves stays
+cached, counted as free, until an allocation needs it: the least recently released goes first (a request's later
+blocks before its earlier ones, so a shared head outlives the tails that hang on it). An optional salt starts the
+chain, so requests with different salts never share (vLLM's `cache_salt`).
+
+    cache.match(prompt, max_blocks=(len(prompt) - 1) // block_size, salt=s)  -> blocks holding the longest prefix
+    cache.attach(rid, blocks); cache.ensure(rid, len(prompt))                 -> prefill computes the rest
+    cache.publish(rid, prompt, len(prompt), salt=s)                          -> its full blocks can be matched
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 from torch import Tensor
+
+
+class PrefixIndex:
+    """Which block holds which exact token prefix (module docstring): one entry per cached block, keyed by the
+    block's tokens and the entry of the block before it (or the salt, for a chain's first block)."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self._ids: dict[tuple[int | bytes, bytes], int] = {}  # (previous entry or salt, tokens) -> entry
+        self._block: dict[int, int] = {}  # entry -> block
+        self._key: dict[int, tuple[int | bytes, bytes]] = {}  # block -> its key
+        self._next_id = 1  # never reused: a chain through a forgotten block cannot reach a newer one
+
+    def __len__(self) -> int:
+        return len(self._key)
+
+    def __contains__(self, block: int) -> bool:
+        return block in self._key
+
+    def match(self, tokens: np.ndarray, max_blocks: int, salt: str | None) -> list[int]:
+        """The blocks holding `tokens`' longest cached prefix of at most `max_blocks` full blocks."""
+        tokens, bs = np.asarray(tokens, dtype=np.int64), self.block_size
+        parent, blocks = self._root(salt), []
+        for i in range(min(max_blocks, len(tokens) // bs)):
+            entry = self._ids.get((parent, tokens[i * bs:(i + 1) * bs].tobytes()))
+            if entry is None:
+                break
+            blocks.append(self._block[entry])
+            parent = entry
+        return blocks
+
+    def publish(self, tokens: np.ndarray, blocks: Sequence[int], salt: str | None) -> None:
+        """Record that `blocks[i]` holds the K/V of `tokens`' i-th full block (for as many as both have). A prefix
+        already cached in another block keeps that one."""
+        tokens, bs = np.asarray(tokens, dtype=np.int64), self.block_size
+        parent = self._root(salt)
+        for i in range(min(len(blocks), len(tokens) // bs)):
+            key = (parent, tokens[i * bs:(i + 1) * bs].tobytes())
+            entry = self._ids.get(key)
+            if entry is None:
+                if blocks[i] in self._key:  # the block caches another prefix already: nothing to add past it
+                    return
+                entry = self._next_id
+                self._next_id += 1
+                self._ids[key], self._block[entry], self._key[blocks[i]] = entry, blocks[i], key
+            parent = entry
+
+    def forget(self, block: int) -> None:
+        del self._block[self._ids.pop(self._key.pop(block))]
+
+    def clear(self) -> int:
+        forgotten = len(self._key)
+        self._ids.clear()
+        self._block.clear()
+        self._key.clear()
+        return forgotten
+
+    @staticmethod
+    def _root(salt: str | None) -> int | bytes:
+        return 0 if salt is None else salt.encode()
 
 
 class PagedKVCache:
@@ -31,6 +107,7 @@ class PagedKVCache:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        prefix_caching: bool = False,
     ):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1; got {num_blocks}, {block_size}")
@@ -40,6 +117,10 @@ class PagedKVCache:
         self._flat = self.pool.view(n_layers, 2, n_kv_heads, num_blocks * block_size, head_dim)
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low block ids first
         self.tables: dict[object, list[int]] = {}
+        self.prefix_caching = bool(prefix_caching)
+        self._refs = np.zeros(num_blocks, np.int32)  # tables holding each block
+        self._prefixes = PrefixIndex(block_size)
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody holds, oldest release first
 
     def keys(self, layer: int) -> Tensor:
         return self.pool[layer, 0]
@@ -52,7 +133,12 @@ class PagedKVCache:
         return self._flat[layer, kind]
 
     def free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can take: unused ones and cached ones nobody holds."""
+        return len(self._free) + len(self._evictable)
+
+    def cached_blocks(self) -> int:
+        """Blocks holding a prefix that `match` can find (held by a request or not)."""
+        return len(self._prefixes)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-max(int(num_tokens), 0) // self.block_size)
@@ -65,20 +151,71 @@ class PagedKVCache:
         """Grow the request's table to cover `num_slots` slots. Callers check `extra_blocks` first."""
         table = self.tables.setdefault(request_id, [])
         need = self.blocks_needed(num_slots) - len(table)
-        if need > len(self._free):
-            raise RuntimeError(f"KV cache has {len(self._free)} free blocks, {need} needed (caller must check first)")
+        if need > self.free_blocks():
+            raise RuntimeError(f"KV cache has {self.free_blocks()} free blocks, {need} needed (caller must check "
+                               "first)")
         for _ in range(need):
-            table.append(self._free.pop())
+            table.append(self._take())
 
     def shrink(self, request_id, num_slots: int) -> None:
         """Return the blocks beyond the first `num_slots` slots to the free list."""
         table = self.tables[request_id]
         keep = self.blocks_needed(num_slots)
         while len(table) > keep:
-            self._free.append(table.pop())
+            self._drop(table.pop())
 
     def release(self, request_id) -> None:
-        self._free.extend(reversed(self.tables.pop(request_id, [])))
+        for block in reversed(self.tables.pop(request_id, [])):  # the tail first: it is evicted first
+            self._drop(block)
+
+    # ---- prefix caching (module docstring) ----------------------------------------------------------------------
+    def match(self, tokens: np.ndarray, max_blocks: int, *, salt: str | None = None) -> list[int]:
+        """The cached blocks holding `tokens`' longest prefix of at most `max_blocks` full blocks (none without
+        prefix caching)."""
+        return self._prefixes.match(tokens, max_blocks, salt) if self.prefix_caching else []
+
+    def free_after_attach(self, blocks: Sequence[int]) -> int:
+        """`free_blocks()` once `blocks` (from `match`) are attached: the cached ones nobody held stop being free."""
+        return self.free_blocks() - sum(1 for b in blocks if b in self._evictable)
+
+    def attach(self, request_id, blocks: Sequence[int]) -> None:
+        """Start a new request's table with shared cached `blocks` (from `match`)."""
+        if request_id in self.tables:
+            raise RuntimeError(f"request {request_id!r} already holds blocks; attach starts a table")
+        for block in blocks:
+            self._evictable.pop(block, None)
+            self._refs[block] += 1
+        self.tables[request_id] = list(blocks)
+
+    def publish(self, request_id, tokens: np.ndarray, num_tokens: int, *, salt: str | None = None) -> None:
+        """Let `match` find the request's full blocks among its first `num_tokens` slots, which hold the K/V of
+        `tokens[:num_tokens]` and are never written again. A prefix already cached in another block keeps that one."""
+        if self.prefix_caching:
+            self._prefixes.publish(np.asarray(tokens)[:num_tokens], self.tables[request_id], salt)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (blocks nobody holds go back to the free list); returns how many were
+        forgotten. Blocks requests hold stay theirs."""
+        self._free.extend(reversed(self._evictable))
+        self._evictable.clear()
+        return self._prefixes.clear()
+
+    def _take(self) -> int:
+        if self._free:
+            block = self._free.pop()
+        else:  # evict the cached block released longest ago
+            block, _ = self._evictable.popitem(last=False)
+            self._prefixes.forget(block)
+        self._refs[block] = 1
+        return block
+
+    def _drop(self, block: int) -> None:
+        self._refs[block] -= 1
+        if self._refs[block] == 0:
+            if block in self._prefixes:
+                self._evictable[block] = None
+            else:
+                self._free.append(block)
 
     def flat_slots(self, request_id, start: int, stop: int) -> np.ndarray:
         """int64 flat slot ids of the request's slots [start, stop)."""

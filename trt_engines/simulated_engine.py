@@ -35,6 +35,7 @@ from trt_engines.base import (
     VerifyResult,
     check_new_request,
 )
+from trt_engines.kv_cache import PrefixIndex
 
 
 class SimClock:
@@ -58,11 +59,17 @@ class _Replay:
     committed: int  # output tokens before the current root (the root is output[committed])
     ctx_len: int  # tokens with (simulated) cached KV
     pending: int | None = None  # tree size of the last verify, until commit
+    prompt: np.ndarray | None = None  # int64, kept for the prefix cache
+    cached_prompt: int = 0  # prompt tokens read from the prefix cache
+    cache_salt: str | None = None
 
 
 class SimulatedEngine:
     """Replays recorded outputs; costs come from a `StepTimeModel` (anything with `predict(tokens, context)`), and
-    prefills from `prefill_model` when given (a fit on measured prefills), else from the same model."""
+    prefills from `prefill_model` when given (a fit on measured prefills), else from the same model. With
+    `prefix_caching` a prompt's leading full blocks that an earlier request (same salt) prefilled or generated are
+    not charged, as `TorchEngine` and TensorRT-LLM's block reuse skip them (capacity is not modelled: nothing is
+    evicted)."""
 
     def __init__(
         self,
@@ -77,6 +84,7 @@ class SimulatedEngine:
         block_size: int = 16,
         prefill_model=None,
         device: str = "cpu",
+        prefix_caching: bool = False,
     ) -> None:
         if not trajectories:
             raise ValueError("SimulatedEngine needs at least one recorded trajectory (prompt ids -> output ids)")
@@ -93,6 +101,8 @@ class SimulatedEngine:
         self._filler = self.eos_token_ids[0] if self.eos_token_ids else 0
         self._requests: dict[object, _Replay] = {}
         self._blocks: dict[object, int] = {}
+        self._prefixes = PrefixIndex(block_size) if prefix_caching else None
+        self._published = 0  # stand-in block ids for the prefix index
         self.simulated_s = 0.0  # engine seconds charged to the clock
         self.wall_s = 0.0  # real seconds spent inside this engine's methods (the simulation loop subtracts them)
 
@@ -114,7 +124,8 @@ class SimulatedEngine:
         return self._requests.keys()
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
-    def add_request(self, request_id, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams()) -> int:
+    def add_request(self, request_id, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams(), *,
+                    cache_salt: str | None = None) -> int:
         started = time.perf_counter()
         check_new_request(request_id, sampling, self._requests)
         if not sampling.greedy:
@@ -127,9 +138,15 @@ class SimulatedEngine:
         need = self.blocks_needed(len(key))
         if need > self.free_blocks():
             raise KVCacheFullError(request_id, f"prompt needs {need} KV blocks, {self.free_blocks()} free")
-        self._requests[request_id] = _Replay(output=output, committed=0, ctx_len=len(key))
+        prompt = np.asarray(key, dtype=np.int64)
+        cached = 0
+        if self._prefixes is not None:
+            cached = len(self._prefixes.match(prompt, (len(key) - 1) // self.block_size, cache_salt)) * self.block_size
+            self._publish(prompt, cache_salt)
+        self._requests[request_id] = _Replay(output=output, committed=0, ctx_len=len(key), prompt=prompt,
+                                             cached_prompt=cached, cache_salt=cache_salt)
         self._blocks[request_id] = need
-        self._charge(self.prefill_model.predict(np.array([len(key)]), np.array([0])))
+        self._charge(self.prefill_model.predict(np.array([len(key) - cached]), np.array([cached])))
         self.wall_s += time.perf_counter() - started
         return int(output[0])
 
@@ -174,9 +191,19 @@ class SimulatedEngine:
         self._blocks[request_id] = self.blocks_needed(req.ctx_len)
 
     def release(self, request_id) -> None:
-        self._get(request_id)
+        req = self._get(request_id)
         del self._requests[request_id]
         del self._blocks[request_id]
+        if self._prefixes is not None:  # the output's full blocks too, as `TorchEngine` publishes them
+            self._publish(np.concatenate([req.prompt, req.output[:req.committed]]), req.cache_salt)
+
+    def cached_prompt_tokens(self, request_id) -> int:
+        return self._get(request_id).cached_prompt
+
+    def _publish(self, tokens: np.ndarray, salt: str | None) -> None:
+        blocks = len(tokens) // self.block_size
+        self._prefixes.publish(tokens, range(self._published, self._published + blocks), salt)
+        self._published += blocks
 
     # ---- internals ------------------------------------------------------------------------------------------
     def _get(self, request_id) -> _Replay:

@@ -294,8 +294,12 @@ class TensorRTLLMEngine:
 
     # ---- lifecycle --------------------------------------------------------------------------------------------
 
-    def add_request(self, request_id, prompt_ids: Sequence[int], sampling: SamplingParams = _GREEDY) -> int:
+    def add_request(self, request_id, prompt_ids: Sequence[int], sampling: SamplingParams = _GREEDY, *,
+                    cache_salt: str | None = None) -> int:
         check_new_request(request_id, sampling, self._requests)
+        if cache_salt is not None:
+            raise RequestError(request_id, "TensorRTLLMEngine's executor reuses KV blocks across all requests "
+                               "(enable_block_reuse) and takes no cache salt: drop cache_salt")
         if not sampling.greedy:
             raise RequestError(request_id, "TensorRTLLMEngine verifies greedy requests only (temperature 0); use "
                                "TorchEngine for sampled speculation")

@@ -24,6 +24,9 @@ def _config_args(parser: argparse.ArgumentParser) -> None:
                    help="bf16 on the CPU: numba kernels (batch-invariant on every tree branch) for linear layers and "
                    "attention, for attention only, or none; auto: numba where the CPU lacks bf16 dot-product "
                    "instructions, attention where it has them")
+    g.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse earlier requests' KV blocks for repeated prompt prefixes (default: on where the numba "
+                   "kernels prefill, which makes reuse exact)")
     g.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks (default: 8 full contexts)")
     g.add_argument("--max-context", type=int, default=2048)
     g.add_argument("--datastore", action="append", default=None,
@@ -45,7 +48,7 @@ def _config(args):
     from orchestrator.serving.stack import ServingConfig
 
     return ServingConfig(model=args.model, model_name=args.model_name, dtype=args.dtype, device=args.device,
-                         cpu_kernels=args.cpu_kernels,
+                         cpu_kernels=args.cpu_kernels, prefix_caching=args.prefix_caching,
                          num_blocks=args.num_blocks, max_context=args.max_context,
                          datastores=None if args.datastore is None else tuple(args.datastore), policy=args.policy,
                          max_running=args.max_running, hardware=args.hardware, fit_step_model=not args.no_fit,

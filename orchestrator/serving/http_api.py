@@ -3,7 +3,7 @@
 
 Bad input gets a 4xx with OpenAI's error shape, `{"error": {"message", "type", "param", "code"}}`, and damages
 nothing else. Extensions beyond OpenAI's fields: `top_k`, `ignore_eos`, `tpot_ms` (the request's time-per-output-
-token objective) in requests; `token_ids` per choice and a `retrospec` object with speculation statistics (steps,
+token objective) and `cache_salt` (vLLM's: requests share cached prompt prefixes only with the same salt) in requests; `token_ids` per choice and a `retrospec` object with speculation statistics (steps,
 accepted draft tokens, tokens per step) in responses. Like OpenAI, `temperature` defaults to 1.0 (sampling): send
 `"temperature": 0` for greedy output.
 
@@ -29,7 +29,7 @@ from orchestrator.serving.stack import ServingStack
 
 _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.CANCELLED: "abort"}
 _FIELDS = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
-           "seed", "stop", "stream", "stream_options", "ignore_eos", "tpot_ms", "n", "user", "logprobs",
+           "seed", "stop", "stream", "stream_options", "ignore_eos", "tpot_ms", "cache_salt", "n", "user", "logprobs",
            "echo", "presence_penalty", "frequency_penalty"}
 
 
@@ -151,6 +151,7 @@ def _build(stack: ServingStack, body: dict, **prompt) -> GenerationRequest:
             stop=stop,
             tpot_s=None if tpot_ms is None else tpot_ms / 1e3,
             ignore_eos=bool(body.get("ignore_eos", False)),
+            cache_salt=body.get("cache_salt"),
         )
     except ValueError as exc:
         raise ApiError(400, str(exc)) from None
@@ -196,7 +197,7 @@ async def _respond(stack: ServingStack, body: dict, gen: GenerationRequest, *, c
         choice.update(text=text, logprobs=None)
     return JSONResponse({
         "id": rid, "object": "chat.completion" if chat else "text_completion", "created": created, "model": model,
-        "choices": [choice], "usage": _usage(gen, len(tokens)), "retrospec": _stats(final),
+        "choices": [choice], "usage": _usage(gen, len(tokens), final), "retrospec": _stats(final),
     })
 
 
@@ -220,7 +221,7 @@ async def _sse(outputs: AsyncIterator[RequestOutput], rid: str, created: int, mo
             choice.update(text=out.text, logprobs=None)
         chunk = {"id": rid, "object": kind, "created": created, "model": model, "choices": [choice]}
         if out.finished:
-            chunk["usage"] = _usage(gen, count)
+            chunk["usage"] = _usage(gen, count, out)
             chunk["retrospec"] = _stats(out)
         first = False
         yield f"data: {json.dumps(chunk)}\n\n".encode()
@@ -233,9 +234,11 @@ async def _sse_closing(outputs: AsyncIterator[RequestOutput], *args, **kwargs) -
             yield event
 
 
-def _usage(gen: GenerationRequest, completion_tokens: int) -> dict:
+def _usage(gen: GenerationRequest, completion_tokens: int, final: RequestOutput) -> dict:
+    cached = final.stats.cached_prompt_tokens if final.stats is not None else 0
     return {"prompt_tokens": len(gen.prompt_ids), "completion_tokens": completion_tokens,
-            "total_tokens": len(gen.prompt_ids) + completion_tokens}
+            "total_tokens": len(gen.prompt_ids) + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _stats(out: RequestOutput) -> dict:

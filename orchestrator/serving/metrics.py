@@ -14,6 +14,7 @@ Derived series (PromQL):
     mean verification ms             1e3 * rate(retrospec_verify_seconds_sum[1m]) / rate(retrospec_verify_seconds_count[1m])
     speculation nodes per step       rate(retrospec_step_nodes_sum[1m]) / rate(retrospec_step_nodes_count[1m])
     drafter fallback share           rate(retrospec_drafter_fallbacks_total[1m]) / rate(retrospec_request_steps_total[1m])
+    prefix-cache hit rate            rate(retrospec_cached_prompt_tokens_total[1m]) / rate(retrospec_prompt_tokens_total[1m])
 
 Example: after one step of a batch of 2 that sent 5 and 3 nodes and accepted 2 and 0 of them,
 `retrospec_draft_nodes_total` grows by 8, `retrospec_realized_tokens_total` by (2+1)+(0+1) = 4,
@@ -42,6 +43,8 @@ class ServingMetrics:
         self.rejected = Counter("retrospec_rejected_requests", "Requests refused before generation (bad input)",
                                 ["frontend"], registry=r)
         self.prompt_tokens = Counter("retrospec_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.cached_prompt_tokens = Counter("retrospec_cached_prompt_tokens",
+                                            "Prompt tokens read from the prefix cache instead of computed", registry=r)
         self.generation_tokens = Counter("retrospec_generation_tokens", "Tokens streamed to clients", registry=r)
         self.draft_nodes = Counter("retrospec_draft_nodes", "Draft-tree nodes sent to verification", registry=r)
         self.accepted_tokens = Counter("retrospec_accepted_tokens", "Draft tokens accepted by the target", registry=r)
@@ -72,6 +75,7 @@ class ServingMetrics:
         nodes = sum(record.nodes)
         self.steps.inc()
         self.request_steps.inc(record.batch)
+        self.cached_prompt_tokens.inc(sum(record.prefill_cached))
         self.draft_nodes.inc(nodes)
         self.realized_tokens.inc(record.realized_tokens)
         self.accepted_tokens.inc(record.realized_tokens - record.batch)

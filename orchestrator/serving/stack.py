@@ -57,6 +57,7 @@ class ServingConfig:
     fit_step_model: bool = True  # a few seconds of verify steps at start-up to fit this engine's constants
     torch_threads: int | None = None
     cpu_kernels: str = "auto"  # bf16 on the CPU: where TorchEngine runs its numba kernels (its `cpu_kernels`)
+    prefix_caching: bool | None = None  # reuse earlier prompts' KV blocks (TorchEngine's; None: where exact)
     max_body_bytes: int = 1 << 20  # HTTP bodies above this are refused with 413
     draft_idle_timeout_s: float = 300.0  # retrospec_draft sessions without a call for this long are released
     draft_timeout_s: float | None = None  # a drafting call slower than this makes its step plain decoding
@@ -120,7 +121,7 @@ class ServingStack:
         model_dir = Path(resolve_model_dir(config.model))
         engine = TorchEngine(config.model, dtype=getattr(torch, config.dtype), device=config.device,
                              num_blocks=config.num_blocks, block_size=config.block_size, max_context=config.max_context,
-                             cpu_kernels=config.cpu_kernels)
+                             cpu_kernels=config.cpu_kernels, prefix_caching=config.prefix_caching)
         drafter = make_drafter(config)
         shape = ModelShape.from_config(model_dir)
         if config.hardware == "measure":
@@ -155,6 +156,13 @@ class ServingStack:
     def clear_history(self) -> None:
         """Forget the drafter's output history (benchmarks that serve the same prompts again). Call while idle."""
         self.drafter.clear_history()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the engine's cached prompt prefixes (benchmarks that serve the same prompts again). Call while
+        idle."""
+        reset = getattr(self.engine, "reset_prefix_cache", None)
+        if reset is not None:
+            reset()
 
     # -- request building (shared validation for every front end) ------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -191,6 +199,7 @@ class ServingStack:
         stop: Sequence[str] = (),
         tpot_s: float | None = None,
         ignore_eos: bool = False,
+        cache_salt: str | None = None,
     ) -> GenerationRequest:
         """Validate wire-level fields and build a request; ValueError names the bad field and the fix."""
         if (text is None) == (prompt_ids is None):
@@ -222,11 +231,14 @@ class ServingStack:
             stop = (stop,)
         if not all(isinstance(s, str) for s in stop):
             raise ValueError("stop must be a string or a list of strings")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string; got {cache_salt!r}")
         sampling = SamplingParams(temperature=_number(temperature, "temperature"), top_p=_number(top_p, "top_p"),
                                   top_k=_integer(top_k, "top_k"), seed=None if seed is None else _integer(seed, "seed"))
         return GenerationRequest(prompt_ids=tuple(ids), max_tokens=int(max_tokens), sampling=sampling,
                                  stop_strings=tuple(stop), ignore_eos=bool(ignore_eos),
-                                 tpot_s=None if tpot_s is None else _number(tpot_s, "tpot objective"))
+                                 tpot_s=None if tpot_s is None else _number(tpot_s, "tpot objective"),
+                                 cache_salt=cache_salt)
 
     # -- generation -------------------------------------------------------------------------------------------------
     def submit(self, request: GenerationRequest, on_output: OutputCallback, *, frontend: str,
