@@ -233,3 +233,17 @@ def test_orchestrated_speculation_over_cached_prefixes_is_lossless_and_reported(
     assert sum(sum(r.prefill_cached) for r in orchestrator.records) == 4 * BLOCK
     assert sum(s.accepted for s in stats.values()) > 0  # drafts were verified over the cached prefixes, and hit
     assert engine.free_blocks() == 64
+
+
+@needs_model
+def test_debug_logits_are_the_logits_the_engine_decodes_with(engine):
+    # prefills and debug forwards share the verify step's invariant forward, so a divergence study (the throughput
+    # benchmark's top-2 gap) reads the logits decoding used, bitwise
+    rng = np.random.default_rng(9)
+    prompt = [1] + rng.integers(2, 49152, 30).tolist()
+    root = engine.add_request("dbg", prompt)
+    step = engine.verify([VerifyItem("dbg", DraftTree.empty())], return_logits=True).results[0].logits[0]
+    engine.release("dbg")
+    debug = engine.debug_logits([prompt + [root]])[0]
+    assert int(debug[-2].argmax()) == root
+    assert torch.equal(debug[-1].view(torch.int32), step.view(torch.int32))

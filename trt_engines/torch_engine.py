@@ -619,7 +619,7 @@ class TorchEngine:
             for rid, a in zip(ids, arrays):
                 self.kv.ensure(rid, len(a))
                 segments.append(_Segment(rid, 0, a, np.arange(len(a)), np.tril(np.ones((len(a), len(a)), bool))))
-            logits = self.model.logits(self._forward(segments))
+            logits = self.model.logits(self._forward(segments, batch_invariant=self._invariant_prefill))
         finally:
             for rid in ids:
                 self.kv.release(rid)
