@@ -259,6 +259,8 @@ def test_engine_rejects_misuse_with_clear_errors(tmp_path):
         engine.add_request("s", [1, 2], SamplingParams(temperature=0.7))
     with pytest.raises(RequestError, match="vocabulary|lie in"):
         engine.add_request("v", [1, 99], SamplingParams())
+    with pytest.raises(RequestError, match="no cache salt"):  # its executor shares blocks across all requests
+        engine.add_request("salted", [1, 2, 3], SamplingParams(), cache_salt="tenant")
     root = engine.add_request("a", [1, 2, 3], SamplingParams())
     with pytest.raises(RequestError, match="commit without"):
         engine.commit("a", [], next_root=root)
