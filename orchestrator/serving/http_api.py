@@ -3,9 +3,10 @@
 
 Bad input gets a 4xx with OpenAI's error shape, `{"error": {"message", "type", "param", "code"}}`, and damages
 nothing else. Extensions beyond OpenAI's fields: `top_k`, `ignore_eos`, `tpot_ms` (the request's time-per-output-
-token objective) and `cache_salt` (vLLM's: requests share cached prompt prefixes only with the same salt) in requests; `token_ids` per choice and a `retrospec` object with speculation statistics (steps,
-accepted draft tokens, tokens per step) in responses. Like OpenAI, `temperature` defaults to 1.0 (sampling): send
-`"temperature": 0` for greedy output.
+token objective) and `cache_salt` (vLLM's: requests share cached prompt prefixes only with the same salt) in
+requests; `token_ids` per choice and a `retrospec` object with speculation statistics (steps, accepted draft tokens,
+tokens per step) in responses, and `usage.prompt_tokens_details.cached_tokens` as OpenAI reports it. Like OpenAI,
+`temperature` defaults to 1.0 (sampling): send `"temperature": 0` for greedy output.
 
 Example:
 

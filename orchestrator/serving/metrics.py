@@ -14,7 +14,8 @@ Derived series (PromQL):
     mean verification ms             1e3 * rate(retrospec_verify_seconds_sum[1m]) / rate(retrospec_verify_seconds_count[1m])
     speculation nodes per step       rate(retrospec_step_nodes_sum[1m]) / rate(retrospec_step_nodes_count[1m])
     drafter fallback share           rate(retrospec_drafter_fallbacks_total[1m]) / rate(retrospec_request_steps_total[1m])
-    prefix-cache hit rate            rate(retrospec_cached_prompt_tokens_total[1m]) / rate(retrospec_prompt_tokens_total[1m])
+    prefix-cache hit rate            rate(retrospec_cached_prompt_tokens_total[1m])
+                                     / rate(retrospec_prompt_tokens_total[1m])
 
 Example: after one step of a batch of 2 that sent 5 and 3 nodes and accepted 2 and 0 of them,
 `retrospec_draft_nodes_total` grows by 8, `retrospec_realized_tokens_total` by (2+1)+(0+1) = 4,
