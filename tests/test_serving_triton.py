@@ -92,7 +92,8 @@ def test_generate_streams_greedy_output_with_statistics(server):
     assert out["finish"] in ("stop", "length") and out["steps"] >= 1
     assert out["tokens_per_step"] == pytest.approx((out["accepted"] + out["steps"]) / out["steps"])
     by_text = stream_generate(grpc_url(server), {"text_input": np.array([PROMPTS[0].encode()], np.object_),
-                                                 "max_tokens": np.array([MAX_TOKENS], np.int32)})
+                                                 "max_tokens": np.array([MAX_TOKENS], np.int32),
+                                                 "cache_salt": np.array([b"tenant-1"], np.object_)})
     assert by_text["tokens"] == server["reference"][0]
 
 
@@ -157,6 +158,7 @@ def _bad_cases(server):
         ("bad temperature", {**good, "temperature": np.array([-1.0], np.float32)}, "temperature"),
         ("bad top_p", {**good, "top_p": np.array([3.0], np.float32)}, "top_p"),
         ("oversized text", {"text_input": np.array([b"x" * 100_000], np.object_)}, "limit"),
+        ("empty cache_salt", {**good, "cache_salt": np.array([b""], np.object_)}, "cache_salt"),
     ]
 
 

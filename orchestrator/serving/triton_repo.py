@@ -33,6 +33,7 @@ GENERATE_INPUTS = [
     ("max_tokens", "TYPE_INT32", "1", True), ("temperature", "TYPE_FP32", "1", True),
     ("top_p", "TYPE_FP32", "1", True), ("top_k", "TYPE_INT32", "1", True), ("seed", "TYPE_INT64", "1", True),
     ("stop", "TYPE_STRING", "-1", True), ("tpot_ms", "TYPE_FP32", "1", True), ("ignore_eos", "TYPE_BOOL", "1", True),
+    ("cache_salt", "TYPE_STRING", "1", True),
 ]
 GENERATE_OUTPUTS = [
     ("output_ids", "TYPE_INT32", "-1"), ("text_output", "TYPE_STRING", "1"), ("finish_reason", "TYPE_STRING", "1"),

@@ -4,8 +4,8 @@ Models:
 
 `retrospec_generate` (decoupled: one response per streamed update)
     inputs   text_input BYTES[1] | input_ids INT32[-1] (one of them), max_tokens INT32[1], temperature FP32[1],
-             top_p FP32[1], top_k INT32[1], seed INT64[1], stop BYTES[-1], tpot_ms FP32[1], ignore_eos BOOL[1]
-             (all optional but the prompt; defaults: 16 tokens, greedy)
+             top_p FP32[1], top_k INT32[1], seed INT64[1], stop BYTES[-1], tpot_ms FP32[1], ignore_eos BOOL[1],
+             cache_salt BYTES[1] (prefix-cache namespace) (all optional but the prompt; defaults: 16 tokens, greedy)
     outputs  output_ids INT32[-1] and text_output BYTES[1] (the delta), finish_reason BYTES[1] ("" until the last
              response: stop | length | cancelled), steps INT32[1], accepted_tokens INT32[1], tokens_per_step FP32[1]
              (request statistics so far; final on the last response)
@@ -160,6 +160,8 @@ class GenerateModel:
                                          for s in stop.reshape(-1)]
         tpot_ms = _scalar(req, "tpot_ms")
         seed = _scalar(req, "seed")
+        salt = _scalar(req, "cache_salt")
+        salt = salt.decode("utf-8", "replace") if isinstance(salt, bytes) else salt
         return self.stack.make_request(
             text=text, prompt_ids=None if ids is None else ids,
             max_tokens=_as_int(_scalar(req, "max_tokens", 16)),
@@ -170,6 +172,7 @@ class GenerateModel:
             stop=stops,
             tpot_s=None if tpot_ms is None or float(tpot_ms) <= 0 else float(tpot_ms) / 1e3,
             ignore_eos=bool(_scalar(req, "ignore_eos", False)),
+            cache_salt=None if salt is None else str(salt),
         )
 
 
@@ -311,6 +314,7 @@ def start_triton(stack: ServingStack, *, ports: TritonPorts = TritonPorts(), add
                 Tensor(name="stop", dtype=bytes, shape=(-1,), optional=True),
                 Tensor(name="tpot_ms", dtype=np.float32, shape=(1,), optional=True),
                 Tensor(name="ignore_eos", dtype=np.bool_, shape=(1,), optional=True),
+                Tensor(name="cache_salt", dtype=bytes, shape=(1,), optional=True),
             ],
             outputs=[
                 Tensor(name="output_ids", dtype=np.int32, shape=(-1,)),

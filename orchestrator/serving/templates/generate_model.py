@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import triton_python_backend_utils as pb_utils
 
 INPUTS = ("text_input", "input_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "tpot_ms",
-          "ignore_eos")
+          "ignore_eos", "cache_salt")
 
 
 class TritonPythonModel:
