@@ -139,8 +139,7 @@ def serve_side_by_side(engine, drafter, step_model, policies: list[str], prompts
     from another's output for the same prompt.
     `lengths` (per prompt) fixes every request's output length, EOS ignored; otherwise up to `max_tokens` or EOS.
     """
-    if hasattr(engine, "reset_prefix_cache"):
-        engine.reset_prefix_cache()  # an earlier run's blocks of these prompts would make their prefills free
+    engine.reset_prefix_cache()  # an earlier run's blocks of these prompts would make their prefills free
     runs = {p: _PolicyRun(engine, drafter.fresh(), step_model, p, prompts, cap=cap, max_tokens=max_tokens,
                           lengths=lengths)
             for p in policies}

@@ -38,8 +38,8 @@ class GenerationRequest:
             raise ValueError(f"tpot objective must be a positive number of seconds; got {self.tpot_s!r}")
         if any(not s for s in self.stop_strings):
             raise ValueError("stop strings must be non-empty")
-        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
-            raise ValueError(f"cache_salt must be a string or None; got {type(self.cache_salt).__name__}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string (or None); got {self.cache_salt!r}")
 
 
 @dataclass

@@ -89,6 +89,21 @@ def test_salts_keep_prefixes_apart_and_reset_forgets_them():
     assert cache.free_blocks() == 6 and cache.cached_blocks() == 0
 
 
+def test_served_requests_count_their_cached_prompt_tokens_once_they_finish():
+    from orchestrator.request import FinishReason, RequestOutput, RequestStats
+    from orchestrator.serving.metrics import ServingMetrics
+
+    metrics = ServingMetrics()
+    metrics.observe_output(RequestOutput("a", [5], stats=RequestStats(cached_prompt_tokens=32)), frontend="http")
+    metrics.observe_output(RequestOutput("a", [6], finish_reason=FinishReason.LENGTH,
+                                         stats=RequestStats(cached_prompt_tokens=32)), frontend="http")
+    metrics.observe_output(RequestOutput("b", [], finish_reason=FinishReason.CANCELLED, stats=RequestStats()),
+                           frontend="triton")
+    assert metrics.registry.get_sample_value("retrospec_cached_prompt_tokens_total") == 32
+    with pytest.raises(ValueError, match="cache_salt"):
+        GenerationRequest(prompt_ids=(1, 2), cache_salt="")
+
+
 def test_without_prefix_caching_nothing_is_kept():
     cache = _cache(4, prefix_caching=False)
     cache.ensure("a", 8)

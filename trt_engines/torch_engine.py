@@ -54,9 +54,10 @@ Prefills with the CPU kernels ("numba") run the verify step's batch-invariant fo
 verified over whatever context is cached, so its K/V and first token do not depend on how it is split. That makes
 prefix caching exact (`PagedKVCache`, on by default there): a prompt whose leading blocks an earlier request
 computed reads them from the cache and computes only the rest, and decodes bitwise as if computed whole. The
-kernels' attention visits only the keys a row can see, so a causal prefill costs what SDPA's does (0.8-1.0x its
-time on a 2-core AVX2 EPYC, 64 to 2000 tokens, one-off timings). Released requests publish their output's full
-blocks as well, so a next chat turn, whose prompt repeats the last one's, reuses them.
+kernels' attention visits only the keys a row can see, so a causal prefill costs about what SDPA's does (one-off
+timings, in the note of the change that made it so; `prefix_cache.md` times prefills with the cache on and off).
+Released requests publish their output's full blocks as well, so a next chat turn, whose prompt repeats the last
+one's, reuses them.
 """
 
 from __future__ import annotations

@@ -76,7 +76,6 @@ class ServingMetrics:
         nodes = sum(record.nodes)
         self.steps.inc()
         self.request_steps.inc(record.batch)
-        self.cached_prompt_tokens.inc(sum(record.prefill_cached))
         self.draft_nodes.inc(nodes)
         self.realized_tokens.inc(record.realized_tokens)
         self.accepted_tokens.inc(record.realized_tokens - record.batch)
@@ -89,9 +88,12 @@ class ServingMetrics:
         self.batch_size.observe(record.batch)
 
     def observe_output(self, output: RequestOutput, *, frontend: str) -> None:
-        """Per streamed update: count tokens; on the final one, the request by finish reason."""
+        """Per streamed update: count tokens; on the final one, the request by finish reason and the prompt tokens
+        it read from the prefix cache."""
         self.generation_tokens.inc(len(output.token_ids))
         if output.finish_reason is not None:
+            if output.stats is not None:  # per request, so one that finished at its prefill counts too
+                self.cached_prompt_tokens.inc(output.stats.cached_prompt_tokens)
             reason = output.finish_reason.value if isinstance(output.finish_reason, FinishReason) else str(output.finish_reason)
             self.requests.labels(finish_reason=reason, frontend=frontend).inc()
 

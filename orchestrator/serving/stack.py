@@ -160,9 +160,7 @@ class ServingStack:
     def reset_prefix_cache(self) -> None:
         """Forget the engine's cached prompt prefixes (benchmarks that serve the same prompts again). Call while
         idle."""
-        reset = getattr(self.engine, "reset_prefix_cache", None)
-        if reset is not None:
-            reset()
+        self.engine.reset_prefix_cache()
 
     # -- request building (shared validation for every front end) ------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -231,8 +229,6 @@ class ServingStack:
             stop = (stop,)
         if not all(isinstance(s, str) for s in stop):
             raise ValueError("stop must be a string or a list of strings")
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise ValueError(f"cache_salt must be a non-empty string; got {cache_salt!r}")
         sampling = SamplingParams(temperature=_number(temperature, "temperature"), top_p=_number(top_p, "top_p"),
                                   top_k=_integer(top_k, "top_k"), seed=None if seed is None else _integer(seed, "seed"))
         return GenerationRequest(prompt_ids=tuple(ids), max_tokens=int(max_tokens), sampling=sampling,
