@@ -29,7 +29,8 @@ from benchmarks.plotting import panels_by_set
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 NAMES = ("datastore", "verify_cost", "attention_calls", "acceptance", "draft_batch", "throughput", "throughput_avx2",
-         "batch_invariance", "prefix_cache", "serving", "simulator_validation", "projection", "gpu_verify_cost")
+         "batch_invariance", "prefix_cache", "chunked_prefill", "serving", "simulator_validation", "projection",
+         "gpu_verify_cost")
 BEGIN, END = "<!-- headline:begin -->", "<!-- headline:end -->"
 
 
@@ -99,6 +100,12 @@ def headline_rows(results: dict[str, dict]) -> list[tuple[str, str, str, str]]:
         rows.append(("prefill time with / without prefix caching: single turns (min-max over sets), MT-Bench second "
                      "turns", f"{min(single):.2f}-{max(single):.2f}, {_fmt(second and second['time_ratio'])}", "",
                      "prefix_cache"))
+    if "chunked_prefill" in results:
+        s = results["chunked_prefill"]["summary"]
+        rows.append(("a long prompt arriving while 4 requests decode, chunked / whole prefill: the streams' longest "
+                     "gap, the long prompt's TTFT (" + ", ".join(f"{c}-token chunks" for c in s) + ")",
+                     "; ".join(f"{v['stream_gap_max_ms']:.2f}, {v['long_ttft_s']:.2f}" for v in s.values()), "",
+                     "chunked_prefill"))
     if "serving" in results:
         s = results["serving"]["summary"]
         rows.append(("Triton serving p50 latency goodput / none, low and high load",

@@ -2,7 +2,10 @@
 
 One `step()`:
 
-    admit    waiting requests, FIFO, while the engine has KV blocks for prompt + max_tokens (prefill)
+    admit    waiting requests, FIFO, while the engine has KV blocks for prompt + max_tokens (prefill). With
+             `prefill_chunk` a step computes at most that many prompt tokens (vLLM's chunked prefill): a long prompt
+             is prefilled over several steps, the oldest first, while the running requests keep decoding, so one
+             arrival never stalls every stream for its whole prefill
     draft    one `Drafter.draft` call for every running request at the policy's cap (a failure, or a call slower
              than `draft_timeout_s`, makes this step plain decoding; counted in `drafter_fallbacks`)
     budget   the controller prunes the trees (goodput / roofline / fixed / none)
@@ -65,9 +68,13 @@ class StepRecord:
     draft_s: float  # drafting the step waited for (with micro-batches: what outlasted the verify beside it)
     step_s: float  # wall time of the whole step
     fallbacks: int
-    prefill_tokens: list[int] = field(default_factory=list)  # prompt tokens each admission computed this step
-    prefill_s: list[float] = field(default_factory=list)  # and its prefill's wall time
-    prefill_cached: list[int] = field(default_factory=list)  # and its prompt tokens read from the prefix cache
+    # per prefill call this step (an admission, or the next chunk of a prompt with `prefill_chunk`): prompt tokens
+    # it computed, its wall time, the prompt tokens it read from the prefix cache (admissions only) and the tokens
+    # already cached that its tokens attended to (the cached prefix, or that and the earlier chunks)
+    prefill_tokens: list[int] = field(default_factory=list)
+    prefill_s: list[float] = field(default_factory=list)
+    prefill_cached: list[int] = field(default_factory=list)
+    prefill_context: list[int] = field(default_factory=list)
     context: list[int] = field(default_factory=list)  # cached tokens of each running request before the step
     budget_s: float = 0.0  # the budget controller's allocation
     micro_batches: int = 1  # micro-batches the running requests took turns in (`batch` is this step's one)
@@ -101,6 +108,7 @@ class Orchestrator:
         draft_timeout_s: float | None = None,
         offline_batch: bool = False,
         micro_batches: int | None = None,
+        prefill_chunk: int | None = None,
     ) -> None:
         self.engine = engine
         self.drafter = drafter
@@ -109,6 +117,7 @@ class Orchestrator:
         self.max_running = max_running
         self.clock = clock  # request timestamps (TTFT, latency); the simulator passes its event clock
         self.waiting: deque[tuple[str, GenerationRequest, OutputCallback | None]] = deque()
+        self.prefilling: dict[str, _Running] = {}  # admitted, prompt partly computed (`prefill_chunk`), oldest first
         self.running: dict[str, _Running] = {}
         self.records: deque[StepRecord] = deque(maxlen=keep_step_records)
         self.drafter_fallbacks = 0  # request-steps decoded plainly because drafting failed or timed out
@@ -137,7 +146,13 @@ class Orchestrator:
         # KV admission ledger: blocks reserved for each running request's whole life (prompt + max_tokens + the
         # temporary slots of the largest tree), so lazily-allocating engines can never run out mid-generation.
         self._reserved: dict[str, int] = {}
-        self._prefills: list[tuple[int, float, int]] = []  # (computed, seconds, cached) of this step's admissions
+        # Chunked prefill: prompt tokens a step may compute (None: whole prompts at admission). Only engines that can
+        # continue a prompt (`prefill`) take it; TensorRT-LLM's executor would chunk prompts itself.
+        self.prefill_chunk = check_prefill_chunk(prefill_chunk)
+        if prefill_chunk is not None and not hasattr(engine, "prefill"):
+            raise ValueError(f"{type(engine).__name__} cannot prefill in chunks (prefill_chunk={prefill_chunk}): use "
+                             "prefill_chunk=None, or an engine with `prefill` (TorchEngine, SimulatedEngine)")
+        self._prefills: list[tuple[int, float, int, int]] = []  # (computed, seconds, cached, context) per prefill call
 
     # -- client side ----------------------------------------------------------------------------------------------
     def submit(self, request: GenerationRequest, on_output: OutputCallback | None = None, *,
@@ -154,7 +169,7 @@ class Orchestrator:
                 f"({self.engine.max_context}); shorten the prompt or lower max_tokens"
             )
         request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self.running or any(w[0] == request_id for w in self.waiting):
+        if request_id in self.request_ids():
             raise ValueError(f"request id {request_id!r} is already in use")
         self.waiting.append((request_id, request, on_output))
         return request_id
@@ -167,7 +182,7 @@ class Orchestrator:
                 if callback:
                     callback(RequestOutput(request_id, [], finish_reason=FinishReason.CANCELLED, stats=RequestStats()))
                 return True
-        state = self.running.get(request_id)
+        state = self.running.get(request_id) or self.prefilling.get(request_id)
         if state is None:
             return False
         self._drafter_idle()
@@ -176,7 +191,11 @@ class Orchestrator:
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.prefilling and not self.running
+
+    def request_ids(self) -> list[str]:
+        """Every request not finished yet: waiting, being prefilled, running."""
+        return [w[0] for w in self.waiting] + list(self.prefilling) + list(self.running)
 
     def close(self) -> None:
         """Stop the worker threads (drafting, with a draft timeout; verifying, once a step was pipelined) once any late
@@ -259,8 +278,8 @@ class Orchestrator:
             predicted_tokens=float(decision.predicted_tokens.sum()), realized_tokens=realized,
             predicted_s=decision.predicted_step_s, measured_s=measured_s, draft_s=draft_s, budget_s=budget_s,
             step_s=time.perf_counter() - started, fallbacks=fallbacks,
-            prefill_tokens=[n for n, _, _ in self._prefills], prefill_s=[t for _, t, _ in self._prefills],
-            prefill_cached=[c for _, _, c in self._prefills],
+            prefill_tokens=[p[0] for p in self._prefills], prefill_s=[p[1] for p in self._prefills],
+            prefill_cached=[p[2] for p in self._prefills], prefill_context=[p[3] for p in self._prefills],
             context=context.astype(int).tolist(), micro_batches=micro_batches, overlapped_draft_s=overlapped_s,
         )
         self.records.append(record)
@@ -318,7 +337,7 @@ class Orchestrator:
     def _drain(self, states: list[_Running]) -> dict[str, np.ndarray]:
         """While an offline batch drains, `allocate`'s `remaining_steps` and `tokens_per_step`: per request, tokens
         left (to max_tokens) over its tokens per step so far, and that rate. Otherwise nothing."""
-        if not self.offline_batch or self.waiting:
+        if not self.offline_batch or self.waiting or self.prefilling:
             return {}
         left = np.array([s.request.max_tokens - len(s.output) for s in states], dtype=np.float64)
         per_step = np.array([max(s.stats.tokens_per_step, 1.0) for s in states])
@@ -332,8 +351,16 @@ class Orchestrator:
 
     # -- internals ------------------------------------------------------------------------------------------------
     def _admit(self) -> int:
+        """Continue chunked prefills, oldest first, then admit waiting requests FIFO while KV blocks (and the step's
+        prefill budget, with `prefill_chunk`) allow; returns how many were admitted."""
+        budget = self.prefill_chunk  # prompt tokens this step may still compute (None: no limit)
+        for state in list(self.prefilling.values()):
+            if budget is not None and budget <= 0:
+                break
+            budget -= self._prefill_more(state, budget)
         admitted = 0
-        while self.waiting and len(self.running) < self.max_running:
+        while (self.waiting and len(self.running) + len(self.prefilling) < self.max_running
+               and (budget is None or budget > 0)):
             request_id, request, callback = self.waiting[0]
             need = self.engine.blocks_needed(len(request.prompt_ids) + request.max_tokens + self._max_tree_slots())
             if need > self.engine.total_blocks():  # can never fit: fail it rather than wait forever
@@ -350,12 +377,16 @@ class Orchestrator:
                 state.detok = IncrementalDetokenizer(self.tokenizer, request.stop_strings)
             try:
                 prefill_started = time.perf_counter()
-                # a salt only where asked for: engines without a prefix cache need not take one
-                salt = {} if request.cache_salt is None else {"cache_salt": request.cache_salt}
-                first = self.engine.add_request(request_id, list(request.prompt_ids), request.sampling, **salt)
+                # a salt (or a chunk) only where asked for: engines without a prefix cache need not take one
+                options = {} if request.cache_salt is None else {"cache_salt": request.cache_salt}
+                if budget is not None:
+                    options["prefill_tokens"] = budget
+                first = self.engine.add_request(request_id, list(request.prompt_ids), request.sampling, **options)
                 seconds = time.perf_counter() - prefill_started
                 cached = getattr(self.engine, "cached_prompt_tokens", lambda _: 0)(request_id)  # engines with a cache
-                self._prefills.append((len(request.prompt_ids) - cached, seconds, cached))
+                left = 0 if first is not None else self.engine.prompt_tokens_left(request_id)
+                computed = len(request.prompt_ids) - cached - left
+                self._prefills.append((computed, seconds, cached, cached))
                 state.stats.cached_prompt_tokens = cached
             except KVCacheFullError:
                 self.waiting.appendleft((request_id, request, callback))
@@ -364,14 +395,36 @@ class Orchestrator:
                 self._fail(request_id, callback, str(exc))
                 continue
             self.drafter.start_request(request_id, np.asarray(request.prompt_ids, dtype=np.int32))
-            self.running[request_id] = state
             self._reserved[request_id] = need
             admitted += 1
-            # The prefill's token is the first output token and the root of the first verify (not cached yet).
-            self._emit_tokens(state, [int(first)])
-            if request_id in self.running:
-                self.drafter.extend(request_id, np.asarray([first], dtype=np.int32))
+            if budget is not None:
+                budget -= computed
+            if first is None:
+                self.prefilling[request_id] = state
+            else:
+                self._start_running(state, int(first))
         return admitted
+
+    def _prefill_more(self, state: _Running, budget: int) -> int:
+        """The next chunk (at most `budget` tokens) of a prompt being prefilled; returns the tokens computed."""
+        left = self.engine.prompt_tokens_left(state.request_id)
+        started = time.perf_counter()
+        first = self.engine.prefill(state.request_id, budget)
+        seconds = time.perf_counter() - started
+        computed = left - (0 if first is not None else self.engine.prompt_tokens_left(state.request_id))
+        self._prefills.append((computed, seconds, 0, len(state.request.prompt_ids) - left))
+        if first is not None:
+            del self.prefilling[state.request_id]
+            self._start_running(state, int(first))
+        return computed
+
+    def _start_running(self, state: _Running, first: int) -> None:
+        """A request whose prompt is in joins the running batch; the prefill's token is its first output token and
+        the root of its first verify (not cached yet)."""
+        self.running[state.request_id] = state
+        self._emit_tokens(state, [first])
+        if state.request_id in self.running:
+            self.drafter.extend(state.request_id, np.asarray([first], dtype=np.int32))
 
     def _max_tree_slots(self) -> int:
         return 1 + self.budget.policy.max_nodes_per_request  # the root + the largest tree a step may send
@@ -441,6 +494,7 @@ class Orchestrator:
 
     def _finish(self, state: _Running, reason: FinishReason, tokens: list[int] | None = None, text: str = "") -> None:
         self.running.pop(state.request_id, None)
+        self.prefilling.pop(state.request_id, None)
         self._drafted_ahead.pop(state.request_id, None)
         self._reserved.pop(state.request_id, None)
         self.engine.release(state.request_id)
@@ -451,6 +505,16 @@ class Orchestrator:
     def _fail(self, request_id: str, callback: OutputCallback | None, message: str) -> None:
         if callback is not None:
             callback(RequestOutput(request_id, [], finish_reason=FinishReason.ERROR, stats=RequestStats(), error=message))
+
+
+def check_prefill_chunk(prefill_chunk: int | None) -> int | None:
+    """`prefill_chunk` if valid (None: whole prompts; an int >= 1: prompt tokens a step may compute), else a
+    ValueError that says so."""
+    if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
+                                      or prefill_chunk < 1):
+        raise ValueError(f"prefill_chunk must be an int >= 1 (prompt tokens per step) or None (whole prompts); "
+                         f"got {prefill_chunk!r}")
+    return prefill_chunk
 
 
 def check_micro_batches(micro_batches: int | None) -> int | None:

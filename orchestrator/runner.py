@@ -143,7 +143,7 @@ class OrchestratorRunner:
             while True:
                 self._apply_commands()
                 if self._stop.is_set() and self._cancel_on_stop:
-                    for request_id in [w[0] for w in self.orchestrator.waiting] + list(self.orchestrator.running):
+                    for request_id in self.orchestrator.request_ids():
                         self.orchestrator.cancel(request_id)
                 if self.orchestrator.idle:
                     if self._stop.is_set():
@@ -154,7 +154,7 @@ class OrchestratorRunner:
                 self.orchestrator.step()
         except BaseException as exc:  # surface engine crashes to every waiting client instead of hanging them
             self.error = exc
-            for request_id in [w[0] for w in self.orchestrator.waiting] + list(self.orchestrator.running):
+            for request_id in self.orchestrator.request_ids():
                 try:
                     self.orchestrator.cancel(request_id)
                 except Exception:

@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from orchestrator.budget import BudgetController, BudgetPolicy
-from orchestrator.core import Orchestrator, check_micro_batches
+from orchestrator.core import Orchestrator, check_micro_batches, check_prefill_chunk
 from orchestrator.profiling import SWEEP_BATCHES, SWEEP_CONTEXTS, SWEEP_NODES
 from orchestrator.request import GenerationRequest
 from orchestrator.roofline import (
@@ -179,6 +179,8 @@ class _Timeline:
     done: float | None = None
     tokens: list[int] = field(default_factory=list)
     steps: int = 0
+    last: float | None = None  # when its last update streamed
+    gaps: list[float] = field(default_factory=list)  # seconds between its streamed updates
 
 
 @dataclass
@@ -208,7 +210,7 @@ def _start_up_model(deployment: Deployment, coefficients: Sequence[float] | None
 
 def simulate(deployment: Deployment, workload: Workload, policy: str, drafter, *, host_time: str = "measured",
              max_nodes: int = 64, controller_coefficients: Sequence[float] | None = None,
-             micro_batches: int | None = 1) -> SimulationResult:
+             micro_batches: int | None = 1, prefill_chunk: int | None = None) -> SimulationResult:
     """Serve `workload` with `policy` on a simulated `deployment`; `drafter` is a real `Drafter` (state is released
     per request and its output history cleared first, so one drafter serves many simulations). The budget
     controller's step-time model starts from `controller_coefficients` when given (what a real controller knew at
@@ -217,7 +219,11 @@ def simulate(deployment: Deployment, workload: Workload, policy: str, drafter, *
     `micro_batches` is the orchestrator's (`Orchestrator`): 1 verifies the whole batch every step; None lets it
     split the batch where that pays on the deployment's device, and a number splits it so. A split step's drafting
     ahead is charged only where it outlasts the simulated verify it ran beside (with `host_time` "draft" or "plan";
-    "measured" times whole steps on this machine's wall clock, which cannot tell what a simulated verify hides)."""
+    "measured" times whole steps on this machine's wall clock, which cannot tell what a simulated verify hides).
+
+    `prefill_chunk` is the orchestrator's too: at most that many prompt tokens prefilled per step (None: whole
+    prompts at admission). The metrics' stream gaps (seconds between a request's streamed updates) show what a long
+    prefill does to the requests already decoding."""
     if host_time not in HOST_TIME:
         raise ValueError(f"host_time must be one of {HOST_TIME}; got {host_time!r}")
     if micro_batches != 1 and host_time == "measured":
@@ -235,7 +241,8 @@ def simulate(deployment: Deployment, workload: Workload, policy: str, drafter, *
     controller = BudgetController(BudgetPolicy.parse(policy, max_nodes_per_request=max_nodes), controller_model)
     # every request arriving at t=0 is an offline batch, served as the throughput benchmark serves one
     orchestrator = Orchestrator(engine, drafter, controller, max_running=workload.concurrency, clock=clock,
-                                offline_batch=not any(workload.arrivals_s), micro_batches=micro_batches)
+                                offline_batch=not any(workload.arrivals_s), micro_batches=micro_batches,
+                                prefill_chunk=prefill_chunk)
 
     timelines: dict[str, _Timeline] = {}
 
@@ -243,6 +250,10 @@ def simulate(deployment: Deployment, workload: Workload, policy: str, drafter, *
         line = timelines[out.request_id]
         if out.token_ids and line.first is None:
             line.first = clock.now
+        if out.token_ids:
+            if line.last is not None:
+                line.gaps.append(clock.now - line.last)
+            line.last = clock.now
         line.tokens += out.token_ids
         if out.finished:
             line.done = clock.now
@@ -287,6 +298,7 @@ def simulate(deployment: Deployment, workload: Workload, policy: str, drafter, *
     latency = np.array([line.done - line.arrival for line in lines])
     ttft = np.array([line.first - line.arrival for line in lines])
     tpot = np.array([(line.done - line.first) / (len(line.tokens) - 1) for line in lines if len(line.tokens) > 1])
+    gaps = np.array([gap for line in lines for gap in line.gaps])
     records = list(orchestrator.records)
     start = min(line.arrival for line in lines)
     seconds = max(line.done for line in lines) - start
@@ -300,6 +312,8 @@ def simulate(deployment: Deployment, workload: Workload, policy: str, drafter, *
         "ttft_p99_s": float(np.percentile(ttft, 99)),
         "tpot_p50_s": float(np.percentile(tpot, 50)) if tpot.size else None,
         "tpot_p99_s": float(np.percentile(tpot, 99)) if tpot.size else None,
+        "stream_gap_p99_s": float(np.percentile(gaps, 99)) if gaps.size else None,  # between a request's updates
+        "stream_gap_max_s": float(gaps.max()) if gaps.size else None,
         "tau": (tokens - len(lines)) / max(sum(line.steps for line in lines), 1),
         "mean_nodes_per_request_step": float(np.mean([np.mean(r.nodes) for r in records])) if records else 0.0,
         "steps": len(records),
@@ -340,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batches", default="1", type=_auto_or_int,
                         help="1: verify the whole batch every step; auto: split it into micro-batches that take turns "
                         "where that pays (SPIN); N: always N")
+    parser.add_argument("--prefill-chunk", type=int, default=None,
+                        help="chunked prefill: prompt tokens a step may compute (default: whole prompts)")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
     try:
@@ -351,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         micro_batches = None if args.micro_batches == "auto" else check_micro_batches(args.micro_batches)
         if micro_batches != 1 and args.host_time == "measured":
             raise ValueError("--micro-batches other than 1 needs --host-time draft, plan or none")
+        check_prefill_chunk(args.prefill_chunk)
         deployment.step_model().predict(np.ones(1), np.zeros(1))  # fails fast on a dtype the device lacks
         trajectories = load_prompt_trajectories(args.sets, args.prompts)
     except (ValueError, FileNotFoundError) as exc:
@@ -372,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         base = None
         for policy in args.policies:
             result = simulate(deployment, workload, policy, drafter, host_time=args.host_time,
-                              micro_batches=micro_batches)
+                              micro_batches=micro_batches, prefill_chunk=args.prefill_chunk)
             m = result.metrics
             base = m["tokens_per_s"] if policy == "none" else base
             speedup = m["tokens_per_s"] / base if base else float("nan")

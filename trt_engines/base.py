@@ -17,6 +17,10 @@ Lifecycle of one request (worked example, greedy, a chain draft of 3 tokens whos
     out.results[0].target_tokens       # e.g. [a, b, x, y]: a matches node 0, b matches node 1, x != c
     engine.commit("r1", [0, 1], next_root=x)   # caches root, a, b; x becomes the root; 3 new tokens a, b, x
     engine.release("r1")
+
+Chunked prefill (engines that have `prefill`): `add_request(..., prefill_tokens=k)` computes at most k prompt tokens
+and returns None while some are left; `prefill(request_id, k)` computes the next chunk and returns the first
+generated token once the prompt is all in. A request is verified only after that.
 """
 
 from __future__ import annotations
@@ -90,6 +94,13 @@ def check_new_request(request_id, sampling, active) -> None:
         raise RequestError(request_id, "request ids must be hashable (str or int)") from None
     if request_id in active:
         raise RequestError(request_id, "already active; release it first or use a new id")
+
+
+def check_chunk_tokens(request_id, tokens, what: str) -> None:
+    """A chunk size for `add_request(prefill_tokens=)` or `prefill`: an int >= 1. Raises RequestError (nothing
+    changed)."""
+    if isinstance(tokens, bool) or not isinstance(tokens, (int, np.integer)) or tokens < 1:
+        raise RequestError(request_id, f"{what} must be an int >= 1 (prompt tokens to compute now); got {tokens!r}")
 
 
 @dataclass(frozen=True)

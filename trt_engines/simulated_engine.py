@@ -33,6 +33,7 @@ from trt_engines.base import (
     VerifyItem,
     VerifyOutput,
     VerifyResult,
+    check_chunk_tokens,
     check_new_request,
 )
 from trt_engines.kv_cache import PrefixIndex
@@ -62,6 +63,7 @@ class _Replay:
     prompt: np.ndarray | None = None  # int64, kept for the prefix cache
     cached_prompt: int = 0  # prompt tokens read from the prefix cache
     cache_salt: str | None = None
+    prompt_left: int = 0  # prompt tokens still to prefill (chunked prefill)
 
 
 class SimulatedEngine:
@@ -125,11 +127,15 @@ class SimulatedEngine:
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
     def add_request(self, request_id, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams(), *,
-                    cache_salt: str | None = None) -> int:
+                    cache_salt: str | None = None, prefill_tokens: int | None = None) -> int | None:
+        """`TorchEngine.add_request`'s contract, chunked prefill included: charges the prefill of the prompt's
+        uncached tokens (at most `prefill_tokens` of them now; None is returned while some are left)."""
         started = time.perf_counter()
         check_new_request(request_id, sampling, self._requests)
         if not sampling.greedy:
             raise RequestError(request_id, "the simulator replays greedy trajectories: use temperature 0")
+        if prefill_tokens is not None:
+            check_chunk_tokens(request_id, prefill_tokens, "prefill_tokens")
         key = tuple(int(t) for t in prompt_ids)
         output = self._outputs.get(key)
         if output is None:
@@ -142,13 +148,36 @@ class SimulatedEngine:
         cached = 0
         if self._prefixes is not None:
             cached = len(self._prefixes.match(prompt, (len(key) - 1) // self.block_size, cache_salt)) * self.block_size
-            self._publish(prompt, cache_salt)
-        self._requests[request_id] = _Replay(output=output, committed=0, ctx_len=len(key), prompt=prompt,
-                                             cached_prompt=cached, cache_salt=cache_salt)
+        req = _Replay(output=output, committed=0, ctx_len=cached, prompt=prompt, cached_prompt=cached,
+                      cache_salt=cache_salt, prompt_left=len(key) - cached)
+        self._requests[request_id] = req
         self._blocks[request_id] = need
-        self._charge(self.prefill_model.predict(np.array([len(key) - cached]), np.array([cached])))
+        first = self._prefill_chunk(req, prefill_tokens)
         self.wall_s += time.perf_counter() - started
-        return int(output[0])
+        return first
+
+    def prefill(self, request_id, max_tokens: int) -> int | None:
+        """`TorchEngine.prefill`: charges the next chunk of a prompt started with `prefill_tokens`."""
+        started = time.perf_counter()
+        req = self._get(request_id)
+        if not req.prompt_left:
+            raise RequestError(request_id, "its prompt is prefilled already: verify it")
+        check_chunk_tokens(request_id, max_tokens, "max_tokens")
+        first = self._prefill_chunk(req, max_tokens)
+        self.wall_s += time.perf_counter() - started
+        return first
+
+    def prompt_tokens_left(self, request_id) -> int:
+        return self._get(request_id).prompt_left
+
+    def _prefill_chunk(self, req: _Replay, max_tokens: int | None) -> int | None:
+        chunk = req.prompt_left if max_tokens is None else min(req.prompt_left, max_tokens)
+        self._charge(self.prefill_model.predict(np.array([chunk]), np.array([req.ctx_len])))
+        req.ctx_len += chunk
+        req.prompt_left -= chunk
+        if self._prefixes is not None:
+            self._publish(req.prompt[:req.ctx_len], req.cache_salt)
+        return None if req.prompt_left else int(req.output[0])
 
     def verify(self, items: Sequence[VerifyItem]) -> VerifyOutput:
         started = time.perf_counter()
@@ -157,6 +186,9 @@ class SimulatedEngine:
         results, tokens, context = [], [], []
         for item in items:
             req = self._get(item.request_id)
+            if req.prompt_left:
+                raise RequestError(item.request_id, f"its prompt is still being prefilled ({req.prompt_left} tokens "
+                                                    "left): call prefill until it returns the first token")
             tree = item.tree
             n = len(tree)
             if req.ctx_len + n + 1 > self.max_context:
@@ -194,7 +226,7 @@ class SimulatedEngine:
         req = self._get(request_id)
         del self._requests[request_id]
         del self._blocks[request_id]
-        if self._prefixes is not None:  # the output's full blocks too, as `TorchEngine` publishes them
+        if self._prefixes is not None and not req.prompt_left:  # the output's blocks too, as `TorchEngine` does
             self._publish(np.concatenate([req.prompt, req.output[:req.committed]]), req.cache_salt)
 
     def cached_prompt_tokens(self, request_id) -> int:

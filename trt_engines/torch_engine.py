@@ -82,6 +82,7 @@ from trt_engines.base import (
     VerifyItem,
     VerifyOutput,
     VerifyResult,
+    check_chunk_tokens,
     check_cpu_kernels,
     check_new_request,
 )
@@ -104,6 +105,7 @@ class _Request:
     cached_prompt: int = 0  # prompt tokens whose K/V came from the prefix cache
     cache_salt: str | None = None
     committed: list[np.ndarray] | None = None  # with prefix caching: the cached tokens, in runs (prompt, commits)
+    prompt: np.ndarray | None = None  # while the prompt is prefilled in chunks: all of it (ctx_len tokens are in)
 
 
 @dataclass(frozen=True)
@@ -423,13 +425,20 @@ class TorchEngine:
 
     @torch.inference_mode()
     def add_request(self, request_id, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams(), *,
-                    cache_salt: str | None = None) -> int:
+                    cache_salt: str | None = None, prefill_tokens: int | None = None) -> int | None:
         """Prefill `prompt_ids` and return the first generated token (the root of the first verify). With prefix
         caching the prompt's leading full blocks come from the cache where an earlier request with the same
-        `cache_salt` computed them (at least its last token is always computed: it yields the first token)."""
+        `cache_salt` computed them (at least its last token is always computed: it yields the first token).
+
+        `prefill_tokens` (chunked prefill): compute at most that many of the prompt's uncached tokens now and return
+        None while some are left; `prefill` computes the next chunk. The prompt's KV blocks are all taken now. Where
+        the prefill is batch-invariant (the numba kernels, or the numba attention with prefix caching) the chunks
+        give bitwise a whole prefill's K/V and first token."""
         check_new_request(request_id, sampling, self._requests)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise RequestError(request_id, f"cache_salt must be a string or None; got {type(cache_salt).__name__}")
+        if prefill_tokens is not None:
+            check_chunk_tokens(request_id, prefill_tokens, "prefill_tokens")
         prompt = self._check_ids(request_id, prompt_ids, "prompt")
         if len(prompt) == 0:
             raise RequestError(request_id, "empty prompt; pass at least one token (e.g. the BOS token)")
@@ -453,23 +462,50 @@ class TorchEngine:
             else:
                 generator.manual_seed(sampling.seed)
         start = len(cached) * self.kv.block_size
-        req = _Request(sampling=sampling, generator=generator, ctx_len=0, root=-1, cached_prompt=start,
-                       cache_salt=cache_salt, committed=[prompt] if self.prefix_caching else None)
+        req = _Request(sampling=sampling, generator=generator, ctx_len=start, root=-1, cached_prompt=start,
+                       cache_salt=cache_salt, committed=[prompt] if self.prefix_caching else None, prompt=prompt)
         self._requests[request_id] = req
         try:
             self.kv.attach(request_id, cached)
             self.kv.ensure(request_id, len(prompt))
-            n = len(prompt) - start
-            seg = _Segment(request_id, start, prompt[start:], start + np.arange(n), np.tril(np.ones((n, n), bool)))
-            hidden = self._forward([seg], batch_invariant=self._invariant_prefill)
-            logits = self.model.logits(hidden[-1:])
-            req.root = int(sample_tokens(logits, sampling, generator)[0])
-            req.ctx_len = len(prompt)
+            return self._prefill_chunk(request_id, req, prefill_tokens)
         except BaseException:
             self._requests.pop(request_id, None)
             self.kv.release(request_id)
             raise
-        self.kv.publish(request_id, prompt, len(prompt), salt=cache_salt)
+
+    @torch.inference_mode()
+    def prefill(self, request_id, max_tokens: int) -> int | None:
+        """Compute the next at most `max_tokens` tokens of a prompt that `add_request(prefill_tokens=...)` started;
+        returns the first generated token once the whole prompt is in, else None. A call that fails changes nothing
+        (the chunk can be computed again)."""
+        req = self._get(request_id)
+        if req.prompt is None:
+            raise RequestError(request_id, "its prompt is prefilled already: verify it")
+        check_chunk_tokens(request_id, max_tokens, "max_tokens")
+        return self._prefill_chunk(request_id, req, max_tokens)
+
+    def prompt_tokens_left(self, request_id) -> int:
+        """How many of the request's prompt tokens are still to be prefilled (0 once it can be verified)."""
+        req = self._get(request_id)
+        return 0 if req.prompt is None else len(req.prompt) - req.ctx_len
+
+    def _prefill_chunk(self, request_id, req: _Request, max_tokens: int | None) -> int | None:
+        """Prefill the prompt from `req.ctx_len` on, at most `max_tokens` tokens (None: the rest); the first token
+        once the prompt is all in. Each full block a chunk completes is published for other prompts to reuse."""
+        prompt, start = req.prompt, req.ctx_len
+        end = len(prompt) if max_tokens is None else min(len(prompt), start + max_tokens)
+        n = end - start
+        seg = _Segment(request_id, start, prompt[start:end], start + np.arange(n), np.tril(np.ones((n, n), bool)))
+        hidden = self._forward([seg], batch_invariant=self._invariant_prefill)
+        if end < len(prompt):
+            req.ctx_len = end
+            self.kv.publish(request_id, prompt, end, salt=req.cache_salt)
+            return None
+        logits = self.model.logits(hidden[-1:])
+        req.root = int(sample_tokens(logits, req.sampling, req.generator)[0])
+        req.ctx_len, req.prompt = end, None
+        self.kv.publish(request_id, prompt, end, salt=req.cache_salt)
         return req.root
 
     def cached_prompt_tokens(self, request_id) -> int:
@@ -498,6 +534,9 @@ class TorchEngine:
             req = self._get(rid)
             if rid in seen:
                 raise RequestError(rid, "appears twice in one verify batch")
+            if req.prompt is not None:
+                raise RequestError(rid, f"its prompt is still being prefilled ({len(req.prompt) - req.ctx_len} tokens "
+                                        "left): call prefill until it returns the first token")
             seen.add(rid)
             try:
                 item.tree.validate(self.vocab_size)

@@ -42,6 +42,9 @@ def _config_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--micro-batches", type=int, default=None,
                    help="split the running batch into this many micro-batches that take turns, one drafted while "
                    "another is verified (SPIN); 1: never (default: decide each step; never on a CPU-only machine)")
+    g.add_argument("--prefill-chunk", type=int, default=None,
+                   help="chunked prefill: prompt tokens a step may compute, so a long prompt is prefilled over several "
+                   "steps while the running requests keep decoding (default: whole prompts at admission)")
 
 
 def _config(args):
@@ -54,7 +57,7 @@ def _config(args):
                          max_running=args.max_running, hardware=args.hardware, fit_step_model=not args.no_fit,
                          max_body_bytes=args.max_body_bytes,
                          draft_timeout_s=None if args.draft_timeout_ms is None else args.draft_timeout_ms / 1e3,
-                         micro_batches=args.micro_batches)
+                         micro_batches=args.micro_batches, prefill_chunk=args.prefill_chunk)
 
 
 def serve_main(argv: Sequence[str]) -> int:

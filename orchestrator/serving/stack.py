@@ -25,7 +25,7 @@ import numpy as np
 
 from datastore.paths import default_datastore_dir
 from orchestrator.budget import BudgetController, BudgetPolicy
-from orchestrator.core import Orchestrator, OutputCallback, StepRecord, check_micro_batches
+from orchestrator.core import Orchestrator, OutputCallback, StepRecord, check_micro_batches, check_prefill_chunk
 from orchestrator.request import GenerationRequest, RequestOutput
 from orchestrator.roofline import HardwareSpec, ModelShape, StepTimeModel, hardware
 from orchestrator.runner import OrchestratorRunner
@@ -62,6 +62,7 @@ class ServingConfig:
     draft_idle_timeout_s: float = 300.0  # retrospec_draft sessions without a call for this long are released
     draft_timeout_s: float | None = None  # a drafting call slower than this makes its step plain decoding
     micro_batches: int | None = None  # None: decide each step (`Orchestrator`); 1: never pipeline; 2+: always
+    prefill_chunk: int | None = None  # prompt tokens a step may compute (chunked prefill); None: whole prompts
 
     def __post_init__(self) -> None:
         BudgetPolicy.parse(self.policy)  # raises a clear ValueError on a typo
@@ -75,6 +76,7 @@ class ServingConfig:
         if self.draft_timeout_s is not None and not self.draft_timeout_s > 0:
             raise ValueError(f"draft_timeout_s must be > 0 (or None: no timeout); got {self.draft_timeout_s}")
         check_micro_batches(self.micro_batches)
+        check_prefill_chunk(self.prefill_chunk)
 
 
 class MeteredOrchestrator(Orchestrator):
@@ -143,7 +145,8 @@ class ServingStack:
         tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         orchestrator = MeteredOrchestrator(engine, drafter, BudgetController(policy, step_model), tokenizer=tokenizer,
                                            max_running=config.max_running, metrics=metrics,
-                                           draft_timeout_s=config.draft_timeout_s, micro_batches=config.micro_batches)
+                                           draft_timeout_s=config.draft_timeout_s, micro_batches=config.micro_batches,
+                                           prefill_chunk=config.prefill_chunk)
         metrics.free_kv_blocks.set(engine.free_blocks())
         runner = OrchestratorRunner(orchestrator).start()
         return cls(config, engine, drafter, orchestrator, runner, tokenizer, metrics, model_dir)
