@@ -15,6 +15,7 @@ from orchestrator.core import Orchestrator
 from orchestrator.request import FinishReason, GenerationRequest
 from orchestrator.roofline import KNOWN_HARDWARE, HardwareSpec, ModelShape, StepTimeModel
 from orchestrator.spec_loop import generate
+from tests.test_prefix_cache import _decode
 from tools.simulate import Deployment, Workload, model_config, simulate
 from tools.trajectories import load_trajectories, trajectory_path
 from trt_engines.base import RequestError, SamplingParams, VerifyItem
@@ -35,17 +36,6 @@ def engine():
     # linear layers this CPU gets, so chunks are exact here as with the numba kernels
     return TorchEngine("default", dtype=torch.bfloat16, num_blocks=BLOCKS, block_size=BLOCK, max_context=1024,
                        prefix_caching=True)
-
-
-def _decode(engine, rid, steps: int):
-    """Greedy tokens, the logits at each root for `steps` plain steps, then the request's K/V."""
-    tokens, logits = [], []
-    for _ in range(steps):
-        res = engine.verify([VerifyItem(rid, DraftTree.empty())], return_logits=True).results[0]
-        logits.append(res.logits[0])
-        tokens.append(int(res.target_tokens[0]))
-        engine.commit(rid, [], next_root=tokens[-1])
-    return tokens, logits, engine.kv_snapshot(rid)
 
 
 @needs_model
