@@ -113,7 +113,10 @@ def test_refuses_models_it_cannot_run():
 def test_engine_steps_decode_what_the_model_forward_decodes(kernels):
     # Verify steps on the numba attention run the fused forward (with the numba or PyTorch's linear layers); the
     # same engine with it switched off runs `Transformer.forward` on the same kernels. Greedy decoding of a real
-    # prompt, speculating a perfect chain every other step: the same tokens, logits close.
+    # prompt, then the fused forward along that path (teacher-forced), speculating the next three tokens every other
+    # step: logits close, and the same greedy token wherever the reference's choice was not a near-tie. The two
+    # forwards round differently (RMSNorm, SiLU), and bf16 logits tie exactly often enough (3 of this prompt's
+    # first 9 steps) that free-running decodes part after a few steps.
     import warnings
 
     from drafter.tree import DraftTree
@@ -125,8 +128,10 @@ def test_engine_steps_decode_what_the_model_forward_decodes(kernels):
         engine = TorchEngine("default", dtype=torch.bfloat16, num_blocks=64, max_context=1024, cpu_kernels=kernels)
     assert engine._fused is not None
     prompt = [1, 504, 3458, 282, 4649, 314, 260, 1345, 282, 30, 2399, 28, 339, 4510, 253, 1233]
+    steps = 20
 
-    def decode(fused, steps=20, truth=None):
+    def decode(fused, truth=None):
+        """Greedy tokens and the logits they came from; along `truth` (each step's next root), when given."""
         engine._fused = fused
         rid = f"r{fused is None}"
         root = engine.add_request(rid, prompt)
@@ -141,15 +146,19 @@ def test_engine_steps_decode_what_the_model_forward_decodes(kernels):
                     accepted += 1
                 tokens += [int(t) for t in res.target_tokens[:accepted + 1]]
                 logits += list(res.logits[:accepted + 1])
-                engine.commit(rid, list(range(accepted)), next_root=tokens[-1])
+                next_root = truth[len(tokens) - 1] if truth and len(tokens) <= len(truth) else tokens[-1]
+                engine.commit(rid, list(range(accepted)), next_root=next_root)
         finally:
             engine.release(rid)
-        return tokens[:steps], torch.stack(logits[:steps - 1])
+        return tokens[:steps], torch.stack(logits[:steps - 1]).float()
 
-    fused = engine._fused
     reference, reference_logits = decode(None)
-    tokens, logits = decode(fused, truth=reference)
-    assert tokens == reference
+    tokens, logits = decode(engine._fused, truth=reference)
     # one bf16 step apart somewhere in a hidden state grows over 20 steps: measured 0.5 at logits ~15, whose
     # bf16 spacing is 0.0625
     assert (logits - reference_logits).abs().max() <= 1.0
+    assert tokens[0] == reference[0]  # the prefill's token
+    for step, (ours, theirs) in enumerate(zip(tokens[1:], reference[1:])):
+        # a different choice only where the reference's logits had it within the forwards' difference of its own
+        assert ours == theirs or reference_logits[step, theirs] - reference_logits[step, ours] <= 0.5, step
+    assert sum(a == b for a, b in zip(tokens, reference)) >= steps - 3

@@ -237,3 +237,61 @@ def test_bad_kernel_choices_are_refused_before_loading_anything():
         TorchEngine("default", device="cpu", cpu_kernels="attention", batch_invariant=False)
     with pytest.raises(ValueError, match="cpu_kernels must be one of auto, numba, attention, torch; got 'fast'"):
         ServingConfig(cpu_kernels="fast")
+
+
+_DECODE_BITS = textwrap.dedent("""
+    import hashlib, json, sys
+    import numpy as np, torch
+    from drafter.tree import DraftTree
+    from trt_engines.base import VerifyItem
+    from trt_engines.cpu_kernels import TreeAttentionLayout, bf16_bits, tree_attention
+    from trt_engines.llama import Transformer
+    from trt_engines.torch_engine import TorchEngine
+
+    # SmolLM2's head shape: 9 heads of 64 over 3 KV heads
+    config = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 2, "num_attention_heads": 9,
+              "num_key_value_heads": 3, "vocab_size": 512, "max_position_embeddings": 512}
+    engine = TorchEngine(Transformer.random(config, dtype=torch.bfloat16, seed=3), dtype=torch.bfloat16,
+                         device="cpu", cpu_kernels="numba", num_blocks=64)
+    digest = hashlib.sha1()
+    rng = np.random.default_rng(7)
+    # the attention kernel alone, before the final rounding (which hides most last-bit differences): random
+    # queries and keys of SmolLM2's size, contexts with every remainder of the kernels' 4- and 16-lanes
+    bits = lambda shape: bf16_bits(torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).bfloat16())
+    k_pool, v_pool = bits((3, 1024, 64)), bits((3, 1024, 64))
+    for context, rows in ((100, 1), (437, 1), (50, 5), (0, 40), (213, 3)):
+        layout = TreeAttentionLayout([(0, context, rng.permutation(1024)[:context + rows],
+                                       np.tril(np.ones((rows, rows), bool)))])
+        q = torch.from_numpy(rng.standard_normal((rows, 9, 64)).astype(np.float32) * 2).bfloat16()
+        digest.update(tree_attention(q, k_pool, v_pool, layout, fp32_out=True).numpy().tobytes())
+    # and a whole decode on two random layers: every numba kernel of the forward, in bf16
+    for rid, length in enumerate((100, 37, 230)):
+        root = engine.add_request(rid, rng.integers(0, 512, length).tolist())
+        for _ in range(5):
+            res = engine.verify([VerifyItem(rid, DraftTree.empty())], return_logits=True).results[0]
+            digest.update(res.logits.float().numpy().tobytes())
+            engine.commit(rid, [], next_root=int(res.target_tokens[0]))
+        tree = DraftTree.from_arrays(tokens=[5, 9, 11, 7], parents=[-1, 0, 1, -1])  # a branch beside a chain of three
+        res = engine.verify([VerifyItem(rid, tree)], return_logits=True).results[0]
+        digest.update(res.logits.float().numpy().tobytes())
+    print(json.dumps({"digest": digest.hexdigest()}))
+""")
+
+
+def test_a_process_that_compiles_the_kernels_and_one_that_loads_them_from_numbas_cache_agree(tmp_path):
+    # numba caches compiled kernels on disk. Under fast-math `reassoc` the attention kernel loaded from that cache
+    # added its scores in another order than the copy its compiling process ran, so bf16 texts depended on whether
+    # a process found the cache (the first run after an install decoded other texts than the next). The kernels now
+    # spell out every order (`_dot_products_2x4`): the first subprocess compiles them into an empty cache, the
+    # second loads them, and both must give bitwise the same logits.
+    env = {k: v for k, v in os.environ.items() if k != "RETROSPEC_CPU_VECTOR_FLOATS"}  # which turns the cache off
+    env["NUMBA_CACHE_DIR"] = str(tmp_path)
+    runs = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", _DECODE_BITS], env=env, capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parents[1], timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs.append(done.stdout.strip().splitlines()[-1])
+        if len(runs) == 1:  # the second run has the compiled attention kernel to load
+            assert list(tmp_path.rglob("*_tree_attention_kernel*.nbi")), "the first run cached no attention kernel"
+    assert runs[0] == runs[1]

@@ -24,7 +24,9 @@ Both are batch-invariant by construction, which is what lossless bf16 speculatio
   order, where a masked key's weight is exactly 0 and so adds exactly nothing. A draft token's visible keys are the
   ones plain decoding of its path sees (its ancestors are the tokens plain decoding saw, in the same order), so
   verified anywhere in a draft tree, on any branch, next to any other requests, it gets bitwise the result it gets
-  in plain decoding.
+  in plain decoding. It runs without fast-math, its orders spelled out in LLVM IR (`_dot_products_2x4`,
+  `_scaled_lane_sum`), so its bits are the same whether numba compiled it in this process or loaded it from its
+  on-disk cache, and on AVX2 and AVX-512.
 
 Shapes (packed tokens, `trt_engines.llama` vocabulary), all bf16 bits (uint16 views, `bf16_bits`): x [T, K];
 weights [N, K]; the KV pool of a layer [kv_heads, slots, head_dim]; q [T, heads, head_dim]. Outputs are bf16 (fp32
@@ -46,9 +48,10 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 from torch import Tensor
 
-# Reassociation lets the attention kernel's dot products vectorise (a fixed split into lanes, the same for every row);
-# contraction fuses multiply-adds. Neither depends on the data or on the batch, so results stay batch-invariant
-# (attention's sums over keys run over each row's own key list, so there too the split depends only on that list).
+# The fused forward's elementwise kernels and RMSNorm (`cpu_forward`) let LLVM vectorise their sums (reassociation)
+# and fuse multiply-adds (contraction): neither depends on the data or the batch, so they stay batch-invariant. The
+# attention kernel takes neither: it spells out its orders (`_dot_products_2x4`), since under reassociation the copy
+# of it numba caches on disk added its scores in another order than the copy its compiling process ran.
 _FASTMATH = {"reassoc", "contract", "nsz"}
 
 
@@ -129,25 +132,6 @@ def _store_run_overload(out, i, j, values, start, count):
         for c in range(count):
             out[i, j + c] = values[start + c]
     return store_fp32
-
-
-@njit(inline="always")
-def _dot_2x4(xa, xb, w0, w1, w2, w3, n):
-    """The eight dot products of two vectors with four others over their first n elements, in one loop (vectorised
-    along it): the one loop body the attention kernel computes every score with, whatever else is computed beside
-    it."""
-    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
-    for k in range(n):
-        u, v = xa[k], xb[k]
-        a0 += u * w0[k]
-        a1 += u * w1[k]
-        a2 += u * w2[k]
-        a3 += u * w3[k]
-        b0 += v * w0[k]
-        b1 += v * w1[k]
-        b2 += v * w2[k]
-        b3 += v * w3[k]
-    return a0, a1, a2, a3, b0, b1, b2, b3
 
 
 _F32xV = ir.VectorType(ir.FloatType(), VECTOR_FLOATS)
@@ -291,6 +275,88 @@ TILE_GROUP = 4  # tiles per call of `_times_tiles` from the linear kernel, and p
 _products_1x4 = _tile_products(1, 4)
 _products_2x2 = _tile_products(2, 2)
 _products_3x2 = _tile_products(3, 2)
+
+
+SCORE_LANES = 8  # fp32 lanes of a score's partial sums: fixed, so scores have the same bits on AVX2 and AVX-512
+_F32x8 = ir.VectorType(ir.FloatType(), SCORE_LANES)
+
+
+@intrinsic
+def _dot_products_2x4(typingctx, qf, ia, ib, kf, j0, j1, j2, j3, width, scores):
+    """scores[i, j] = qf[i, :width] . kf[j, :width] for i in (ia, ib) and j in (j0, j1, j2, j3): qf, kf and scores
+    2D fp32 with contiguous rows, width a positive multiple of SCORE_LANES (columns past head_dim hold zeros).
+
+    In LLVM IR, like `_tile_products`, so that no fast-math flag is needed: each dot product is one vector of
+    SCORE_LANES partial sums, each a chain of fused multiply-adds (llvm.fma) over every SCORE_LANES-th element in
+    order, then halved twice and summed (lanes 0-3 + 4-7, then 0-1 + 2-3, then 0 + 1). Every order is spelled out,
+    so no optimisation may change a bit. Under `reassoc` (this kernel's flags until then) the attention kernel that
+    numba loaded from its on-disk cache added scores in another order than the copy its compiling process ran, so a
+    process that found the cache decoded other bf16 texts than one that compiled the kernel
+    (`test_a_process_that_compiles_the_kernels_and_one_that_loads_them_from_numbas_cache_agree`). Eight dot
+    products at once keep eight independent chains in flight to cover the multiply-add latency (14 of AVX2's 16
+    vector registers)."""
+    if not all(isinstance(a, types.Array) and a.ndim == 2 and a.dtype == types.float32 and a.layout == "C"
+               for a in (qf, kf, scores)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        q_type, k_type, s_type = signature.args[0], signature.args[3], signature.args[9]
+        i64 = ir.IntType(64)
+        q_view = context.make_array(q_type)(context, builder, args[0])
+        k_view = context.make_array(k_type)(context, builder, args[3])
+        s_view = context.make_array(s_type)(context, builder, args[9])
+        index = [context.cast(builder, args[n], signature.args[n], types.int64)
+                 for n in range(10) if n not in (0, 3, 9)]
+        rows, keys, width = index[:2], index[2:6], index[6]
+
+        def item(array_type, view, i, j):
+            return cgutils.get_item_pointer(context, builder, array_type, view, [i, j], wraparound=False)
+
+        q_rows = [item(q_type, q_view, i, ir.Constant(i64, 0)) for i in rows]
+        k_rows = [item(k_type, k_view, j, ir.Constant(i64, 0)) for j in keys]
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32x8, [_F32x8] * 3), "llvm.fma.v8f32")
+        entry = builder.block
+        loop = builder.append_basic_block("dot_products.loop")
+        done = builder.append_basic_block("dot_products.done")
+        builder.branch(loop)
+        builder.position_at_end(loop)
+        k = builder.phi(i64)
+        k.add_incoming(ir.Constant(i64, 0), entry)
+        acc = [[builder.phi(_F32x8) for _ in keys] for _ in rows]
+        for phi in (p for row in acc for p in row):
+            phi.add_incoming(ir.Constant(_F32x8, None), entry)  # zeros
+
+        def load(pointer):
+            return builder.load(builder.bitcast(builder.gep(pointer, [k]), _F32x8.as_pointer()), align=4)
+
+        k_values = [load(p) for p in k_rows]
+        updated = [[None] * len(keys) for _ in rows]
+        for r, q_row in enumerate(q_rows):
+            q_value = load(q_row)
+            for j, k_value in enumerate(k_values):
+                updated[r][j] = builder.call(fma, [q_value, k_value, acc[r][j]])
+                acc[r][j].add_incoming(updated[r][j], loop)
+        next_k = builder.add(k, ir.Constant(i64, SCORE_LANES))
+        k.add_incoming(next_k, loop)
+        builder.cbranch(builder.icmp_signed("<", next_k, width), loop, done)
+
+        builder.position_at_end(done)
+        def lanes(vector, picked):
+            undefined = ir.Constant(vector.type, ir.Undefined)
+            return builder.shuffle_vector(vector, undefined, ir.Constant(ir.VectorType(ir.IntType(32), len(picked)),
+                                                                         picked))
+
+        for r, i in enumerate(rows):
+            for j, key in enumerate(keys):
+                v = updated[r][j]
+                four = builder.fadd(lanes(v, [0, 1, 2, 3]), lanes(v, [4, 5, 6, 7]))
+                two = builder.fadd(lanes(four, [0, 1]), lanes(four, [2, 3]))
+                total = builder.fadd(builder.extract_element(two, ir.Constant(ir.IntType(32), 0)),
+                                     builder.extract_element(two, ir.Constant(ir.IntType(32), 1)))
+                builder.store(total, item(s_type, s_view, i, key))
+        return context.get_dummy_value()
+
+    return types.void(qf, ia, ib, kf, j0, j1, j2, j3, width, scores), codegen
 
 
 def _tiles_per_pass(b, rows):  # pragma: no cover - replaced by the overload inside numba
@@ -469,7 +535,7 @@ _EXP_POLY = tuple(np.float32(c) for c in (1.9875691500e-4, 1.3981999507e-3, 8.33
                                           1.6666665459e-1, 5.0000001201e-1))
 _EXP_FLOOR = np.float32(-87.0)  # below it exp underflows to (nearly) 0 and 2^n would leave the normal range
 _EXP_CEIL = np.float32(88.72283)  # above it expf overflows to inf
-_MAX_LANES = 16  # running maxima in the softmax (`_softmax_weights`)
+_MAX_LANES = 2 * SCORE_LANES  # running maxima and partial sums in the softmax (`_softmax_weights`)
 _ROWS_PER_TASK = 16  # query rows (tokens x heads of a KV group) per task of `_tree_attention_kernel`
 _KEY_TILE = 4  # keys per step of the score loop (times two query rows: eight dot products at once)
 
@@ -484,20 +550,17 @@ def _gather_widened(pool, kv, slots, out, dim):
 
 
 @njit(inline="always")
-def _scores(qf, kf, scores, dim):
-    """scores[i, j] = qf[i] . kf[j] for every query row and key. Every score comes out of the same loop body
-    (`_dot_2x4`: two rows x four keys, over head_dim); odd edges repeat their last row or key
-    rather than running a different loop, so a score depends only on its two vectors."""
+def _scores(qf, kf, scores, width):
+    """scores[i, j] = qf[i] . kf[j] for every query row and key, over the first `width` columns (a multiple of
+    SCORE_LANES; zeros past head_dim). Every score comes out of the same micro-kernel (`_dot_products_2x4`: two rows
+    x four keys); odd edges repeat their last row or key rather than running other code, so a score depends only on
+    its two vectors."""
     rows, keys = qf.shape[0], kf.shape[0]
     for i in range(0, rows, 2):
-        ia, ib = i, min(i + 1, rows - 1)
-        qa, qb = qf[ia], qf[ib]
+        ib = min(i + 1, rows - 1)
         for j in range(0, keys, _KEY_TILE):
-            j0, j1, j2, j3 = j, min(j + 1, keys - 1), min(j + 2, keys - 1), min(j + 3, keys - 1)
-            k0, k1, k2, k3 = kf[j0], kf[j1], kf[j2], kf[j3]
-            a0, a1, a2, a3, b0, b1, b2, b3 = _dot_2x4(qa, qb, k0, k1, k2, k3, dim)
-            scores[ia, j0], scores[ia, j1], scores[ia, j2], scores[ia, j3] = a0, a1, a2, a3
-            scores[ib, j0], scores[ib, j1], scores[ib, j2], scores[ib, j3] = b0, b1, b2, b3
+            _dot_products_2x4(qf, i, ib, kf, j, min(j + 1, keys - 1), min(j + 2, keys - 1), min(j + 3, keys - 1),
+                              width, scores)
 
 
 @njit(inline="always")
@@ -507,13 +570,89 @@ def _exp_exponent(y):
     return np.floor(y * _LOG2E + np.float32(0.5))
 
 
+@intrinsic
+def _fma(typingctx, a, b, c):
+    """a * b + c in one rounding (llvm.fma; loops of it vectorise): a multiply-add that no compiler flag decides,
+    for the kernels that run without fast-math contraction."""
+    if not all(x == types.float32 for x in (a, b, c)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        f32 = ir.FloatType()
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32] * 3), "llvm.fma.f32")
+        return builder.call(fma, args)
+
+    return types.float32(a, b, c), codegen
+
+
 @njit(inline="always")
 def _exp_remainder(y, k):
     """e^r for r = y - k ln2 (k from `_exp_exponent`): Cephes' degree-7 polynomial, for y in
-    [_EXP_FLOOR, _EXP_CEIL]."""
+    [_EXP_FLOOR, _EXP_CEIL]; its multiply-adds fused explicitly (`_fma`)."""
     p0, p1, p2, p3, p4, p5 = _EXP_POLY
-    r = y - k * _LN2_HI - k * _LN2_LO
-    return (((((p0 * r + p1) * r + p2) * r + p3) * r + p4) * r + p5) * (r * r) + r + np.float32(1.0)
+    r = _fma(k, -_LN2_LO, _fma(k, -_LN2_HI, y))
+    poly = _fma(_fma(_fma(_fma(_fma(p0, r, p1), r, p2), r, p3), r, p4), r, p5)
+    return _fma(poly, r * r, r) + np.float32(1.0)
+
+
+@intrinsic
+def _scaled_lane_sum(typingctx, weights, powers, whole):
+    """weights[:whole] *= powers[:whole] in place; returns their sum as 2 * SCORE_LANES (= _MAX_LANES) partial
+    sums, element t in partial t % 16, each in order, then halved in a fixed tree (16 -> 8 -> 4 -> 2 -> 1). weights
+    and powers contiguous 1D fp32, whole a multiple of 16 (0 gives 0). In LLVM IR so the partial sums stay in two
+    vector registers without fast-math (a numba array of them went through memory at a tenth of the speed)."""
+    if not all(isinstance(a, types.Array) and a.ndim == 1 and a.dtype == types.float32 and a.layout == "C"
+               for a in (weights, powers)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        w_type, p_type = signature.args[0], signature.args[1]
+        i64, i32 = ir.IntType(64), ir.IntType(32)
+        w_view = context.make_array(w_type)(context, builder, args[0])
+        p_view = context.make_array(p_type)(context, builder, args[1])
+        whole = context.cast(builder, args[2], signature.args[2], types.int64)
+        w0 = cgutils.get_item_pointer(context, builder, w_type, w_view, [ir.Constant(i64, 0)], wraparound=False)
+        p0 = cgutils.get_item_pointer(context, builder, p_type, p_view, [ir.Constant(i64, 0)], wraparound=False)
+        zeros = ir.Constant(_F32x8, None)
+        entry = builder.block
+        loop = builder.append_basic_block("lane_sum.loop")
+        done = builder.append_basic_block("lane_sum.done")
+        builder.cbranch(builder.icmp_signed(">", whole, ir.Constant(i64, 0)), loop, done)
+        builder.position_at_end(loop)
+        t = builder.phi(i64)
+        t.add_incoming(ir.Constant(i64, 0), entry)
+        acc = [builder.phi(_F32x8) for _ in range(2)]
+        updated = []
+        for half, phi in enumerate(acc):
+            phi.add_incoming(zeros, entry)
+            at = builder.add(t, ir.Constant(i64, SCORE_LANES * half))
+            w_at = builder.bitcast(builder.gep(w0, [at]), _F32x8.as_pointer())
+            product = builder.fmul(builder.load(w_at, align=4),
+                                   builder.load(builder.bitcast(builder.gep(p0, [at]), _F32x8.as_pointer()), align=4))
+            builder.store(product, w_at, align=4)
+            updated.append(builder.fadd(phi, product))
+            phi.add_incoming(updated[-1], loop)
+        next_t = builder.add(t, ir.Constant(i64, 2 * SCORE_LANES))
+        t.add_incoming(next_t, loop)
+        builder.cbranch(builder.icmp_signed("<", next_t, whole), loop, done)
+        builder.position_at_end(done)
+        low = builder.phi(_F32x8)
+        high = builder.phi(_F32x8)
+        for phi, incoming in ((low, updated[0]), (high, updated[1])):
+            phi.add_incoming(zeros, entry)
+            phi.add_incoming(incoming, loop)
+
+        def lanes(vector, picked):
+            undefined = ir.Constant(vector.type, ir.Undefined)
+            return builder.shuffle_vector(vector, undefined, ir.Constant(ir.VectorType(i32, len(picked)), picked))
+
+        eight = builder.fadd(low, high)
+        four = builder.fadd(lanes(eight, [0, 1, 2, 3]), lanes(eight, [4, 5, 6, 7]))
+        two = builder.fadd(lanes(four, [0, 1]), lanes(four, [2, 3]))
+        return builder.fadd(builder.extract_element(two, ir.Constant(i32, 0)),
+                            builder.extract_element(two, ir.Constant(i32, 1)))
+
+    return types.float32(weights, powers, whole), codegen
 
 
 @njit(inline="always")
@@ -538,8 +677,11 @@ def _softmax_weights(weights, m, power_bits):
         power_bits[t] = np.uint32(np.int32(k) + np.int32(127)) << np.uint32(23)  # the bits of 2^k
         weights[t] = _exp_remainder(clamped, k) if x > _EXP_FLOOR else np.float32(0.0)
     powers = power_bits.view(np.float32)
-    total = np.float32(0.0)
-    for t in range(m):
+    # times 2^k, and their sum: the first m - m % _MAX_LANES in _MAX_LANES partial sums and a fixed tree
+    # (`_scaled_lane_sum`), then the rest in order. The kernel runs without fast-math, so this is the order
+    # computed, and it depends only on m.
+    total = _scaled_lane_sum(weights, powers, whole)
+    for t in range(whole, m):
         weights[t] *= powers[t]
         total += weights[t]
     return total
@@ -549,7 +691,7 @@ def _softmax_weights(weights, m, power_bits):
 def _tree_attention_kernel(head_dim: int):
     """The attention kernel compiled for one head_dim: a constant there, so the loops over it unroll."""
 
-    @njit(parallel=True, fastmath=_FASTMATH, boundscheck=False, cache=_CACHE)
+    @njit(parallel=True, boundscheck=False, cache=_CACHE)  # no fast-math: see `_dot_products_2x4`
     def kernel(q, k_pool, v_pool, row_start, rows, ctx, key_start, key_slots, mask_start, mask, reach,
                task_segment, task_kv, task_first, task_rows, group, scale, out):
         """softmax(q k^T * scale) v for every query row, over its visible keys only (module docstring). A task is
@@ -563,6 +705,7 @@ def _tree_attention_kernel(head_dim: int):
         it sees. Scores, softmax and the weighted sum run in fp32; `out` may be fp32."""
         dim = head_dim
         value_width = (dim + LANES - 1) // LANES * LANES
+        score_width = (dim + SCORE_LANES - 1) // SCORE_LANES * SCORE_LANES  # <= value_width
         for task in prange(task_segment.shape[0]):
             s, kv, first, count = task_segment[task], task_kv[task], task_first[task], task_rows[task]
             n, c, r0 = rows[s], ctx[s], row_start[s]
@@ -573,18 +716,18 @@ def _tree_attention_kernel(head_dim: int):
                 last = max(last, reach[r0 + (first + row) % n])
             keys = c + last + 1
             slots = key_slots[key_start[s]:key_start[s] + keys]
-            q_bits = np.empty((count, dim), np.uint32)
+            q_bits = np.zeros((count, score_width), np.uint32)
             for row in range(count):
                 g, i = divmod(first + row, n)
                 for d in range(dim):
                     q_bits[row, d] = _widen(q[r0 + i, kv * group + g, d])
             kv_bits = np.empty((keys, value_width), np.uint32)
+            if value_width > dim:  # head_dim not a multiple of LANES: the spare lanes of keys and values hold 0
+                kv_bits[:, dim:] = 0
             _gather_widened(k_pool, kv, slots, kv_bits, dim)
             scores = np.empty((count, keys), np.float32)
-            _scores(q_bits.view(np.float32), kv_bits.view(np.float32), scores, dim)
+            _scores(q_bits.view(np.float32), kv_bits.view(np.float32), scores, score_width)
             _gather_widened(v_pool, kv, slots, kv_bits, dim)  # the keys are done with: their buffer takes the values
-            if value_width > dim:  # head_dim not a multiple of LANES: zero the last tile's spare lanes
-                kv_bits[:, dim:] = 0
             # each row's softmax weights over all the segment's keys, exactly 0 where it may not look: a weight-0
             # key adds exactly nothing to a chain of fused multiply-adds, so the weighted sum below equals the chain
             # over the row's visible keys alone, in slot order
