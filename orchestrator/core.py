@@ -69,7 +69,7 @@ class StepRecord:
     step_s: float  # wall time of the whole step
     fallbacks: int
     # per prefill call this step (an admission, or the next chunk of a prompt with `prefill_chunk`): prompt tokens
-    # it computed, its wall time, the prompt tokens it read from the prefix cache (admissions only) and the tokens
+    # it computed, its time by the orchestrator's clock (simulated, in the simulator), the prompt tokens it read from the prefix cache (admissions only) and the tokens
     # already cached that its tokens attended to (the cached prefix, or that and the earlier chunks)
     prefill_tokens: list[int] = field(default_factory=list)
     prefill_s: list[float] = field(default_factory=list)
@@ -227,7 +227,10 @@ class Orchestrator:
         trees, cap, fallbacks = self._trees(states)
         draft_s = time.perf_counter() - draft_started
         context = np.array([s.context_len for s in states], dtype=np.float64)
-        tpot = np.array([s.request.tpot_s if s.request.tpot_s else np.nan for s in states])
+        # This step's prefills (admissions, a chunk of a long prompt) already delayed every running request's next
+        # token: the verify may take only what is left of each TPOT objective (none: a plain step).
+        spent_s = sum(p[1] for p in self._prefills)
+        tpot = np.array([s.request.tpot_s - spent_s if s.request.tpot_s else np.nan for s in states])
         budget_started = time.perf_counter()
         trees, decision = self.budget.allocate(trees, context, tpot_s=tpot if np.isfinite(tpot).any() else None,
                                                request_ids=[s.request_id for s in states],
@@ -376,13 +379,13 @@ class Orchestrator:
             if request.stop_strings or self.tokenizer is not None:
                 state.detok = IncrementalDetokenizer(self.tokenizer, request.stop_strings)
             try:
-                prefill_started = time.perf_counter()
+                prefill_started = self.clock()  # the simulator's event clock, which its engine advances
                 # a salt (or a chunk) only where asked for: engines without a prefix cache need not take one
                 options = {} if request.cache_salt is None else {"cache_salt": request.cache_salt}
                 if budget is not None:
                     options["prefill_tokens"] = budget
                 first = self.engine.add_request(request_id, list(request.prompt_ids), request.sampling, **options)
-                seconds = time.perf_counter() - prefill_started
+                seconds = self.clock() - prefill_started
                 cached = getattr(self.engine, "cached_prompt_tokens", lambda _: 0)(request_id)  # engines with a cache
                 left = 0 if first is not None else self.engine.prompt_tokens_left(request_id)
                 computed = len(request.prompt_ids) - cached - left
@@ -408,9 +411,9 @@ class Orchestrator:
     def _prefill_more(self, state: _Running, budget: int) -> int:
         """The next chunk (at most `budget` tokens) of a prompt being prefilled; returns the tokens computed."""
         left = self.engine.prompt_tokens_left(state.request_id)
-        started = time.perf_counter()
+        started = self.clock()
         first = self.engine.prefill(state.request_id, budget)
-        seconds = time.perf_counter() - started
+        seconds = self.clock() - started
         computed = left - (0 if first is not None else self.engine.prompt_tokens_left(state.request_id))
         self._prefills.append((computed, seconds, 0, len(state.request.prompt_ids) - left))
         if first is not None:

@@ -187,3 +187,40 @@ def test_simulated_chunked_prefill_shortens_the_stream_gaps_a_long_prompt_causes
     # the whole prefill of the long prompt stalls the three streams once; in chunks it is spread thin
     assert chunked.metrics["stream_gap_max_s"] < whole.metrics["stream_gap_max_s"]
     assert chunked.metrics["ttft_p99_s"] >= whole.metrics["ttft_p99_s"]  # the long prompt itself waits longer
+
+
+def test_a_steps_prefill_counts_against_the_running_requests_tpot_objective():
+    # Three short requests with a TPOT objective are decoding (goodput speculates for them) when a long prompt arrives
+    # and is prefilled in chunks beside them. A chunk delays their next token as much as the verify does, so goodput
+    # may only spend what the chunk left of the objective: the prediction plus the step's prefill stays within it.
+    longest = max(load_trajectories(trajectory_path("grounded", "eval")), key=lambda t: len(t.prompt_ids))
+    short = sorted(load_trajectories(trajectory_path("mtbench", "eval")), key=lambda t: len(t.prompt_ids))[:3]
+    shape = ModelShape.from_config(model_config("llama-3.1-8b"))
+    model = StepTimeModel(shape, KNOWN_HARDWARE["H100-SXM"])
+    clock = SimClock()
+    engine = SimulatedEngine(model, clock, trajectories={tuple(t.prompt_ids): t.output_ids for t in short + [longest]},
+                             vocab_size=shape.vocab)
+    orchestrator = Orchestrator(engine, Drafter(DrafterConfig(sources="input"), vocab_size=shape.vocab),
+                                BudgetController(BudgetPolicy.parse("goodput"), model.clone()), clock=clock,
+                                prefill_chunk=256)
+    plain_s = model.predict(np.ones(3), np.array([len(t.prompt_ids) for t in short], np.float64))
+    chunk_s = model.predict(np.array([256.0]), np.array([0.0]))
+    tpot = plain_s + 0.5 * chunk_s  # room to speculate in a step without a prefill, none in one with a chunk
+    for t in short:
+        orchestrator.submit(GenerationRequest(prompt_ids=tuple(int(i) for i in t.prompt_ids), tpot_s=tpot,
+                                              max_tokens=min(64, len(t.output_ids)), ignore_eos=True), lambda out: None)
+    before = [orchestrator.step() for _ in range(4)]  # admitted and decoding
+    orchestrator.submit(GenerationRequest(prompt_ids=tuple(int(i) for i in longest.prompt_ids), max_tokens=8,
+                                          ignore_eos=True), lambda out: None)
+    during = [orchestrator.step()]
+    while orchestrator.prefilling:
+        during.append(orchestrator.step())
+    records = [r for r in before + during if r is not None]
+    chunks = [r for r in during if r is not None and r.prefill_tokens == [256]]
+    assert len(chunks) >= 2
+    # timed by the orchestrator's clock, here the simulated one, which the engine advanced by the chunk's cost
+    assert all(sum(r.prefill_s) >= 0.5 * chunk_s for r in chunks)
+    for r in records:
+        if sum(r.nodes):
+            assert r.predicted_s + sum(r.prefill_s) <= tpot * (1 + 1e-9)
+    assert any(sum(r.nodes) for r in records if not r.prefill_s)  # without a prefill beside them, they speculate
