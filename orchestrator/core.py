@@ -69,8 +69,9 @@ class StepRecord:
     step_s: float  # wall time of the whole step
     fallbacks: int
     # per prefill call this step (an admission, or the next chunk of a prompt with `prefill_chunk`): prompt tokens
-    # it computed, its time by the orchestrator's clock (simulated, in the simulator), the prompt tokens it read from the prefix cache (admissions only) and the tokens
-    # already cached that its tokens attended to (the cached prefix, or that and the earlier chunks)
+    # it computed, its seconds by the orchestrator's clock (simulated ones in the simulator), the prompt tokens it
+    # read from the prefix cache (admissions only) and the tokens already cached that its tokens attended to (the
+    # cached prefix, or that and the earlier chunks)
     prefill_tokens: list[int] = field(default_factory=list)
     prefill_s: list[float] = field(default_factory=list)
     prefill_cached: list[int] = field(default_factory=list)

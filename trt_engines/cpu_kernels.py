@@ -281,6 +281,21 @@ SCORE_LANES = 8  # fp32 lanes of a score's partial sums: fixed, so scores have t
 _F32x8 = ir.VectorType(ir.FloatType(), SCORE_LANES)
 
 
+def _lanes(builder, vector, picked: list[int]):
+    """The vector of `vector`'s lanes `picked` (LLVM IR)."""
+    undefined = ir.Constant(vector.type, ir.Undefined)
+    return builder.shuffle_vector(vector, undefined, ir.Constant(ir.VectorType(ir.IntType(32), len(picked)), picked))
+
+
+def _halving_sum(builder, vector):
+    """The sum of an 8-float vector's lanes in a fixed tree (LLVM IR): lanes 0-3 + 4-7, then 0-1 + 2-3, then 0 + 1.
+    No fast-math flag, so this is the order computed."""
+    four = builder.fadd(_lanes(builder, vector, [0, 1, 2, 3]), _lanes(builder, vector, [4, 5, 6, 7]))
+    two = builder.fadd(_lanes(builder, four, [0, 1]), _lanes(builder, four, [2, 3]))
+    first, second = (builder.extract_element(two, ir.Constant(ir.IntType(32), lane)) for lane in (0, 1))
+    return builder.fadd(first, second)
+
+
 @intrinsic
 def _dot_products_2x4(typingctx, qf, ia, ib, kf, j0, j1, j2, j3, width, scores):
     """scores[i, j] = qf[i, :width] . kf[j, :width] for i in (ia, ib) and j in (j0, j1, j2, j3): qf, kf and scores
@@ -289,7 +304,7 @@ def _dot_products_2x4(typingctx, qf, ia, ib, kf, j0, j1, j2, j3, width, scores):
     In LLVM IR, like `_tile_products`, so that no fast-math flag is needed: each dot product is one vector of
     SCORE_LANES partial sums, each a chain of fused multiply-adds (llvm.fma) over every SCORE_LANES-th element in
     order, then halved twice and summed (lanes 0-3 + 4-7, then 0-1 + 2-3, then 0 + 1). Every order is spelled out,
-    so no optimisation may change a bit. Under `reassoc` (this kernel's flags until then) the attention kernel that
+    so no optimisation may change a bit. Under `reassoc` (the attention kernel's flags before 57c7bf6) the kernel
     numba loaded from its on-disk cache added scores in another order than the copy its compiling process ran, so a
     process that found the cache decoded other bf16 texts than one that compiled the kernel
     (`test_a_process_that_compiles_the_kernels_and_one_that_loads_them_from_numbas_cache_agree`). Eight dot
@@ -341,19 +356,9 @@ def _dot_products_2x4(typingctx, qf, ia, ib, kf, j0, j1, j2, j3, width, scores):
         builder.cbranch(builder.icmp_signed("<", next_k, width), loop, done)
 
         builder.position_at_end(done)
-        def lanes(vector, picked):
-            undefined = ir.Constant(vector.type, ir.Undefined)
-            return builder.shuffle_vector(vector, undefined, ir.Constant(ir.VectorType(ir.IntType(32), len(picked)),
-                                                                         picked))
-
         for r, i in enumerate(rows):
             for j, key in enumerate(keys):
-                v = updated[r][j]
-                four = builder.fadd(lanes(v, [0, 1, 2, 3]), lanes(v, [4, 5, 6, 7]))
-                two = builder.fadd(lanes(four, [0, 1]), lanes(four, [2, 3]))
-                total = builder.fadd(builder.extract_element(two, ir.Constant(ir.IntType(32), 0)),
-                                     builder.extract_element(two, ir.Constant(ir.IntType(32), 1)))
-                builder.store(total, item(s_type, s_view, i, key))
+                builder.store(_halving_sum(builder, updated[r][j]), item(s_type, s_view, i, key))
         return context.get_dummy_value()
 
     return types.void(qf, ia, ib, kf, j0, j1, j2, j3, width, scores), codegen
@@ -598,7 +603,7 @@ def _exp_remainder(y, k):
 @intrinsic
 def _scaled_lane_sum(typingctx, weights, powers, whole):
     """weights[:whole] *= powers[:whole] in place; returns their sum as 2 * SCORE_LANES (= _MAX_LANES) partial
-    sums, element t in partial t % 16, each in order, then halved in a fixed tree (16 -> 8 -> 4 -> 2 -> 1). weights
+    sums, element t in partial t % 16, each in order, then summed in a fixed tree (16 -> 8, `_halving_sum`). weights
     and powers contiguous 1D fp32, whole a multiple of 16 (0 gives 0). In LLVM IR so the partial sums stay in two
     vector registers without fast-math (a numba array of them went through memory at a tenth of the speed)."""
     if not all(isinstance(a, types.Array) and a.ndim == 1 and a.dtype == types.float32 and a.layout == "C"
@@ -607,7 +612,7 @@ def _scaled_lane_sum(typingctx, weights, powers, whole):
 
     def codegen(context, builder, signature, args):
         w_type, p_type = signature.args[0], signature.args[1]
-        i64, i32 = ir.IntType(64), ir.IntType(32)
+        i64 = ir.IntType(64)
         w_view = context.make_array(w_type)(context, builder, args[0])
         p_view = context.make_array(p_type)(context, builder, args[1])
         whole = context.cast(builder, args[2], signature.args[2], types.int64)
@@ -641,16 +646,7 @@ def _scaled_lane_sum(typingctx, weights, powers, whole):
         for phi, incoming in ((low, updated[0]), (high, updated[1])):
             phi.add_incoming(zeros, entry)
             phi.add_incoming(incoming, loop)
-
-        def lanes(vector, picked):
-            undefined = ir.Constant(vector.type, ir.Undefined)
-            return builder.shuffle_vector(vector, undefined, ir.Constant(ir.VectorType(i32, len(picked)), picked))
-
-        eight = builder.fadd(low, high)
-        four = builder.fadd(lanes(eight, [0, 1, 2, 3]), lanes(eight, [4, 5, 6, 7]))
-        two = builder.fadd(lanes(four, [0, 1]), lanes(four, [2, 3]))
-        return builder.fadd(builder.extract_element(two, ir.Constant(i32, 0)),
-                            builder.extract_element(two, ir.Constant(i32, 1)))
+        return _halving_sum(builder, builder.fadd(low, high))  # partial t + partial t + 8, then the tree
 
     return types.float32(weights, powers, whole), codegen
 
