@@ -15,7 +15,7 @@ from orchestrator.core import Orchestrator
 from orchestrator.request import FinishReason, GenerationRequest
 from orchestrator.roofline import KNOWN_HARDWARE, HardwareSpec, ModelShape, StepTimeModel
 from orchestrator.spec_loop import generate
-from tests.test_prefix_cache import _decode
+from tests.test_prefix_cache import _assert_same_bits, _decode
 from tools.simulate import Deployment, Workload, model_config, simulate
 from tools.trajectories import load_trajectories, trajectory_path
 from trt_engines.base import RequestError, SamplingParams, VerifyItem
@@ -62,9 +62,7 @@ def test_a_prompt_prefilled_in_chunks_decodes_bitwise_as_prefilled_whole(engine)
     assert engine.add_request("whole", prompt) == root and engine.prompt_tokens_left("whole") == 0
     want = _decode(engine, "whole", 8)
     engine.release("whole")
-    assert got[0] == want[0]
-    assert all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(got[1], want[1]))
-    assert torch.equal(got[2].view(torch.int16), want[2].view(torch.int16))
+    _assert_same_bits(got, want)
     assert engine.free_blocks() == BLOCKS
 
 

@@ -148,6 +148,13 @@ def _decode(engine, rid, steps: int, *, chain: list[int] | None = None):
     return tokens, logits, engine.kv_snapshot(rid)
 
 
+def _assert_same_bits(got, want) -> None:
+    """Two `_decode` results agree bitwise: the tokens, the logits at every root and the request's K/V."""
+    assert got[0] == want[0]
+    assert all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(got[1], want[1]))
+    assert torch.equal(got[2].view(torch.int16), want[2].view(torch.int16))
+
+
 @needs_model
 def test_a_prompt_read_partly_from_the_cache_decodes_bitwise_as_computed_whole(engine):
     rng = np.random.default_rng(5)
@@ -166,9 +173,7 @@ def test_a_prompt_read_partly_from_the_cache_decodes_bitwise_as_computed_whole(e
     assert engine.add_request("whole", b) == root_b and engine.cached_prompt_tokens("whole") == 0
     want = _decode(engine, "whole", 10)
     engine.release("whole")
-    assert got[0] == want[0]
-    assert all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(got[1], want[1]))
-    assert torch.equal(got[2].view(torch.int16), want[2].view(torch.int16))
+    _assert_same_bits(got, want)
     assert engine.free_blocks() == 64
 
 
