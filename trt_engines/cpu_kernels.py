@@ -138,6 +138,46 @@ _F32xV = ir.VectorType(ir.FloatType(), VECTOR_FLOATS)
 _I32xV = ir.VectorType(ir.IntType(32), VECTOR_FLOATS)
 
 
+def _accumulating_loop(builder, name: str, vector_type, shape: tuple[int, int], step: int, end, body, *,
+                       may_skip: bool = False):
+    """Emits `for k in range(0, end, step)` (LLVM IR; k and end i64) over a grid of shape[0] x shape[1] accumulator
+    vectors of `vector_type` that start at zero: body(k, grid) emits one iteration and returns the updated grid,
+    which the next iteration receives. Returns the grid after the loop, where the builder is left. The loop runs at
+    least once, unless `may_skip` (then end <= 0 returns zeros). The IR micro-kernels' one loop shape, so each
+    writes only its body."""
+    i64 = ir.IntType(64)
+    zeros = ir.Constant(vector_type, None)
+    entry = builder.block
+    loop = builder.append_basic_block(f"{name}.loop")
+    done = builder.append_basic_block(f"{name}.done")
+    if may_skip:
+        builder.cbranch(builder.icmp_signed(">", end, ir.Constant(i64, 0)), loop, done)
+    else:
+        builder.branch(loop)
+    builder.position_at_end(loop)
+    k = builder.phi(i64)
+    k.add_incoming(ir.Constant(i64, 0), entry)
+    grid = [[builder.phi(vector_type) for _ in range(shape[1])] for _ in range(shape[0])]
+    for phi in (p for row in grid for p in row):
+        phi.add_incoming(zeros, entry)
+    updated = body(k, grid)
+    next_k = builder.add(k, ir.Constant(i64, step))
+    k.add_incoming(next_k, loop)
+    for row, new_row in zip(grid, updated):
+        for phi, value in zip(row, new_row):
+            phi.add_incoming(value, loop)
+    builder.cbranch(builder.icmp_signed("<", next_k, end), loop, done)
+    builder.position_at_end(done)
+    if not may_skip:
+        return updated
+    merged = [[builder.phi(vector_type) for _ in row] for row in updated]
+    for row, new_row in zip(merged, updated):
+        for phi, value in zip(row, new_row):
+            phi.add_incoming(zeros, entry)
+            phi.add_incoming(value, loop)
+    return merged
+
+
 def _tile_products(rows: int, tiles: int = 1):
     """An intrinsic `(b, b_row, b_col, b_row_step, b_col_step, xf, m0, k_dim, out, out_row, out_col) -> None`: for
     r < rows, t < tiles, j < LANES, with tile t's weights at b_row + t * b_row_step, b_col + t * b_col_step,
@@ -194,26 +234,14 @@ def _tile_products(rows: int, tiles: int = 1):
                 ir.VoidType(), [context.get_data_type(b_type.dtype).as_pointer(), i32, i32, i32]), "llvm.prefetch.p0")
             read_keep_data = [ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)]
             vectors = 2 * tiles  # accumulator vectors per row: vector v is tile v // 2, half v % 2
-            entry = builder.block
-            loop = builder.append_basic_block("tile_products.loop")
-            done = builder.append_basic_block("tile_products.done")
-            builder.branch(loop)
 
-            builder.position_at_end(loop)
-            k = builder.phi(i64)
-            acc = [[builder.phi(_F32xV) for _ in range(vectors)] for _ in range(rows)]
-            k.add_incoming(const(0), entry)
-            for phi in (p for row in acc for p in row):
-                phi.add_incoming(ir.Constant(_F32xV, None), entry)  # zeros
-            def broadcast(r):
+            def broadcast(k, r):
                 value = builder.load(builder.gep(x_rows[r], [k]), align=4)
                 undefined = ir.Constant(_F32xV, ir.Undefined)
                 lane0 = builder.insert_element(undefined, value, ir.Constant(ir.IntType(32), 0))
                 return builder.shuffle_vector(lane0, undefined, ir.Constant(_I32xV, [0] * VECTOR_FLOATS))
 
-            paired_loads = {}  # tile -> its row k, loaded once for both of its vectors (bf16)
-
-            def weights(v):
+            def weights(k, v, paired_loads):
                 if not bf16:
                     pointer = item(b_type, b_view, builder.add(tile_rows[v // 2], k),
                                    builder.add(tile_cols[v // 2], const(VECTOR_FLOATS * (v % 2))))
@@ -228,34 +256,32 @@ def _tile_products(rows: int, tiles: int = 1):
                     widened = builder.shl(loaded, ir.Constant(_I32xV, [16] * VECTOR_FLOATS))
                 return builder.bitcast(widened, _F32xV)
 
-            if prefetch:
-                ahead = builder.add(k, const(prefetch))
-                for t in range(tiles):
-                    ahead_of_tile = item(b_type, b_view, builder.add(tile_rows[t], ahead), tile_cols[t])
-                    builder.call(prefetch_function, [ahead_of_tile] + read_keep_data)
-            # emitted in the order that keeps the fewest vectors live besides the accumulators (LLVM keeps it): all
-            # the weights and one row's broadcast at a time, or all the broadcasts and one weight vector at a time
-            updated = [[None] * vectors for _ in range(rows)]
-            if vectors <= rows:
-                b_values = [weights(v) for v in range(vectors)]
-                for r in range(rows):
-                    x_value = broadcast(r)
-                    for v in range(vectors):
-                        updated[r][v] = builder.call(fma, [x_value, b_values[v], acc[r][v]])
-            else:
-                x_values = [broadcast(r) for r in range(rows)]
-                for v in range(vectors):
-                    b_value = weights(v)
+            def iteration(k, acc):
+                paired_loads = {}  # tile -> its row k, loaded once for both of its vectors (bf16)
+                if prefetch:
+                    ahead = builder.add(k, const(prefetch))
+                    for t in range(tiles):
+                        ahead_of_tile = item(b_type, b_view, builder.add(tile_rows[t], ahead), tile_cols[t])
+                        builder.call(prefetch_function, [ahead_of_tile] + read_keep_data)
+                # emitted in the order that keeps the fewest vectors live besides the accumulators (LLVM keeps it):
+                # all the weights and one row's broadcast at a time, or all the broadcasts and one weight at a time
+                updated = [[None] * vectors for _ in range(rows)]
+                if vectors <= rows:
+                    b_values = [weights(k, v, paired_loads) for v in range(vectors)]
                     for r in range(rows):
-                        updated[r][v] = builder.call(fma, [x_values[r], b_value, acc[r][v]])
-            next_k = builder.add(k, const(1))
-            k.add_incoming(next_k, loop)
-            for r in range(rows):
-                for v in range(vectors):
-                    acc[r][v].add_incoming(updated[r][v], loop)
-            builder.cbranch(builder.icmp_signed("<", next_k, k_dim_value), loop, done)
+                        x_value = broadcast(k, r)
+                        for v in range(vectors):
+                            updated[r][v] = builder.call(fma, [x_value, b_values[v], acc[r][v]])
+                else:
+                    x_values = [broadcast(k, r) for r in range(rows)]
+                    for v in range(vectors):
+                        b_value = weights(k, v, paired_loads)
+                        for r in range(rows):
+                            updated[r][v] = builder.call(fma, [x_values[r], b_value, acc[r][v]])
+                return updated
 
-            builder.position_at_end(done)
+            updated = _accumulating_loop(builder, "tile_products", _F32xV, (rows, vectors), 1, k_dim_value,
+                                         iteration)
             for r in range(rows):
                 for v in range(vectors):
                     target = item(out_type, out_view, builder.add(out_row0, const(r)),
@@ -330,32 +356,21 @@ def _dot_products_2x4(typingctx, qf, ia, ib, kf, j0, j1, j2, j3, width, scores):
         q_rows = [item(q_type, q_view, i, ir.Constant(i64, 0)) for i in rows]
         k_rows = [item(k_type, k_view, j, ir.Constant(i64, 0)) for j in keys]
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32x8, [_F32x8] * 3), "llvm.fma.v8f32")
-        entry = builder.block
-        loop = builder.append_basic_block("dot_products.loop")
-        done = builder.append_basic_block("dot_products.done")
-        builder.branch(loop)
-        builder.position_at_end(loop)
-        k = builder.phi(i64)
-        k.add_incoming(ir.Constant(i64, 0), entry)
-        acc = [[builder.phi(_F32x8) for _ in keys] for _ in rows]
-        for phi in (p for row in acc for p in row):
-            phi.add_incoming(ir.Constant(_F32x8, None), entry)  # zeros
 
-        def load(pointer):
-            return builder.load(builder.bitcast(builder.gep(pointer, [k]), _F32x8.as_pointer()), align=4)
+        def iteration(k, acc):
+            def load(pointer):
+                return builder.load(builder.bitcast(builder.gep(pointer, [k]), _F32x8.as_pointer()), align=4)
 
-        k_values = [load(p) for p in k_rows]
-        updated = [[None] * len(keys) for _ in rows]
-        for r, q_row in enumerate(q_rows):
-            q_value = load(q_row)
-            for j, k_value in enumerate(k_values):
-                updated[r][j] = builder.call(fma, [q_value, k_value, acc[r][j]])
-                acc[r][j].add_incoming(updated[r][j], loop)
-        next_k = builder.add(k, ir.Constant(i64, SCORE_LANES))
-        k.add_incoming(next_k, loop)
-        builder.cbranch(builder.icmp_signed("<", next_k, width), loop, done)
+            k_values = [load(p) for p in k_rows]
+            updated = [[None] * len(keys) for _ in rows]
+            for r, q_row in enumerate(q_rows):
+                q_value = load(q_row)
+                for j, k_value in enumerate(k_values):
+                    updated[r][j] = builder.call(fma, [q_value, k_value, acc[r][j]])
+            return updated
 
-        builder.position_at_end(done)
+        updated = _accumulating_loop(builder, "dot_products", _F32x8, (len(rows), len(keys)), SCORE_LANES, width,
+                                     iteration)
         for r, i in enumerate(rows):
             for j, key in enumerate(keys):
                 builder.store(_halving_sum(builder, updated[r][j]), item(s_type, s_view, i, key))
@@ -618,34 +633,20 @@ def _scaled_lane_sum(typingctx, weights, powers, whole):
         whole = context.cast(builder, args[2], signature.args[2], types.int64)
         w0 = cgutils.get_item_pointer(context, builder, w_type, w_view, [ir.Constant(i64, 0)], wraparound=False)
         p0 = cgutils.get_item_pointer(context, builder, p_type, p_view, [ir.Constant(i64, 0)], wraparound=False)
-        zeros = ir.Constant(_F32x8, None)
-        entry = builder.block
-        loop = builder.append_basic_block("lane_sum.loop")
-        done = builder.append_basic_block("lane_sum.done")
-        builder.cbranch(builder.icmp_signed(">", whole, ir.Constant(i64, 0)), loop, done)
-        builder.position_at_end(loop)
-        t = builder.phi(i64)
-        t.add_incoming(ir.Constant(i64, 0), entry)
-        acc = [builder.phi(_F32x8) for _ in range(2)]
-        updated = []
-        for half, phi in enumerate(acc):
-            phi.add_incoming(zeros, entry)
-            at = builder.add(t, ir.Constant(i64, SCORE_LANES * half))
-            w_at = builder.bitcast(builder.gep(w0, [at]), _F32x8.as_pointer())
-            product = builder.fmul(builder.load(w_at, align=4),
-                                   builder.load(builder.bitcast(builder.gep(p0, [at]), _F32x8.as_pointer()), align=4))
-            builder.store(product, w_at, align=4)
-            updated.append(builder.fadd(phi, product))
-            phi.add_incoming(updated[-1], loop)
-        next_t = builder.add(t, ir.Constant(i64, 2 * SCORE_LANES))
-        t.add_incoming(next_t, loop)
-        builder.cbranch(builder.icmp_signed("<", next_t, whole), loop, done)
-        builder.position_at_end(done)
-        low = builder.phi(_F32x8)
-        high = builder.phi(_F32x8)
-        for phi, incoming in ((low, updated[0]), (high, updated[1])):
-            phi.add_incoming(zeros, entry)
-            phi.add_incoming(incoming, loop)
+
+        def iteration(t, acc):
+            updated = []
+            for half, phi in enumerate(acc[0]):
+                at = builder.add(t, ir.Constant(i64, SCORE_LANES * half))
+                w_at = builder.bitcast(builder.gep(w0, [at]), _F32x8.as_pointer())
+                product = builder.fmul(builder.load(w_at, align=4), builder.load(
+                    builder.bitcast(builder.gep(p0, [at]), _F32x8.as_pointer()), align=4))
+                builder.store(product, w_at, align=4)
+                updated.append(builder.fadd(phi, product))
+            return [updated]
+
+        [(low, high)] = _accumulating_loop(builder, "lane_sum", _F32x8, (1, 2), 2 * SCORE_LANES, whole, iteration,
+                                           may_skip=True)
         return _halving_sum(builder, builder.fadd(low, high))  # partial t + partial t + 8, then the tree
 
     return types.float32(weights, powers, whole), codegen
