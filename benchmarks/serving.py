@@ -31,6 +31,7 @@ import numpy as np
 
 from orchestrator.serving.stack import ServingConfig, ServingStack
 from orchestrator.serving.triton_server import TritonPorts, start_triton
+from trt_engines.cpu_kernels import cpu_description
 
 RESULTS = Path(__file__).parent / "results"
 POLICIES = ("none", "goodput")
@@ -136,9 +137,10 @@ def write_markdown(result: dict, path: Path) -> None:
     summary, points, cfg = result["summary"], result["points"], result["config"]
     tpot = summary["tpot_objective_ms"]
     low, high = min(cfg["rates"]), max(cfg["rates"])
+    host = cfg.get("cpu") or f"{cfg['cpus']} CPU cores"  # files before the CPU was recorded name its cores only
     lines = [f"# Serving benchmark (Triton gRPC streaming, Poisson arrivals, {cfg['max_tokens']} tokens, greedy)", "",
-             f"Command: `{cfg.get('command', 'python -m benchmarks.serving')}`. "
-             f"Host: {cfg['cpus']} CPU cores, model {cfg['model']}, "
+             f"Command: `{result.get('command', 'python -m benchmarks.serving')}`. "
+             f"Host: {host}, model {cfg['model']}, "
              f"{cfg['endpoint']}; prompts: recorded eval prompts (grounded code, HumanEval, chitchat) mixed.", "",
              "| rate (req/s) | policy | requests | failed | p50 latency s | p99 latency s | p50 TTFT s | p50 TPOT ms | "
              f"p99 TPOT ms | SLO (TPOT <= {tpot:g} ms) | tokens/step |", "|" + "---|" * 11]
@@ -161,7 +163,8 @@ def write_markdown(result: dict, path: Path) -> None:
               "", "## What the numbers show", "",
               f"At {low:g} req/s goodput verified {tps_low:.2f} tokens per step on this prompt mix; at {high:g} req/s "
               f"{tps_high:.2f}. Latency at low load is roughly the plain-decoding latency divided by the offline "
-              "speedup at concurrency 1 on the same prompts (benchmarks/results/throughput.md); at high load the "
+              "speedup at concurrency 1 on the same prompts (the throughput file for this kind of CPU: "
+              "`throughput.md`, or `throughput_avx2.md` without bf16 dot-product instructions); at high load the "
               "controller speculates less or not at all, so goodput should match `none`.", ""]
     path.write_text("\n".join(lines))
 
@@ -238,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         ["python -m benchmarks.serving"] + (argv if argv is not None else sys.argv[1:])), "config": {
         "rates": args.rates, "requests": args.requests, "max_tokens": args.max_tokens, "model": f"default {args.dtype}",
         "endpoint": "tritonserver (pytriton) gRPC streaming", "host": platform.node(), "cpus": os.cpu_count(),
+        "cpu": cpu_description(),
         "wall_s": time.time() - started}}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=2))
