@@ -68,11 +68,11 @@ def build_stack(dtype: torch.dtype, *, num_blocks: int, max_nodes: int = 64, win
 
 
 def warm_up(engine, drafter, step_model) -> None:
-    """Serve two calibration prompts briefly with the speculating policies, untimed: the drafter's, the budget
-    controller's and the recalibration's numba functions compile (or load from numba's cache) here, not inside the
-    first timed group. A fresh clone has no numba cache: its first group's goodput row once paid ~6 s of compiling
-    in its budget step (MT-Bench cap 1 at 1.24x `none` against `fixed:4`'s 1.45x, `throughput_avx2.json` before
-    this warm-up)."""
+    """Serve two calibration prompts briefly with the speculating policies, untimed, so that whatever compiles or
+    fills a cache on first use does so here, not inside the first timed group. A fresh clone has no numba cache:
+    its first group's goodput row once paid ~6 s of compiling in its budget step (MT-Bench cap 1 at 1.24x `none`
+    against `fixed:4`'s 1.45x, `throughput_avx2.json` before this warm-up). The budget controller and the drafter
+    now compile their own numba functions when built; this also runs every policy's path once end to end."""
     prompts = [np.asarray(t.prompt_ids) for t in load_trajectories(trajectory_path("chitchat", "calib"))[:2]]
     serve_side_by_side(engine, drafter, step_model, ["goodput", "roofline", "fixed:4"], prompts, cap=1, max_tokens=24)
     engine.reset_prefix_cache()

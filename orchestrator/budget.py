@@ -203,6 +203,7 @@ class BudgetController:
         # y = x (5% and 15% extra), so the first speculating steps cannot swing it far; they fade like the data.
         self._cost_sums = _COST_PRIOR.copy()
         self._drafted_steps = 0  # no back-off during the first steps: cold caches make the first drafts slow
+        _warm_up_kernels(step_model)
 
     @property
     def acceptance_scale(self) -> float:
@@ -575,6 +576,29 @@ def _node_depths(trees: Sequence[DraftTree]) -> np.ndarray:
 
 def _node_sources(trees: Sequence[DraftTree]) -> np.ndarray:
     return np.concatenate([t.source for t in trees] + [np.empty(0, np.int16)])
+
+
+_kernels_ready = False  # set by the first controller of the process (`_warm_up_kernels`)
+
+
+def _warm_up_kernels(step_model: StepTimeModel) -> None:
+    """Compile (or load from numba's on-disk cache) the numba functions of a goodput step now: the allocation's, the
+    recalibration's and the step-time model's, on a throwaway controller (a clone of `step_model`), so that no
+    request pays for it, as `Drafter` does for its own. In a fresh install the first goodput step of a process
+    otherwise spent ~6 s compiling (2-core AVX2 EPYC: `benchmarks/throughput.py`'s `warm_up`). Once per process;
+    the controller being built is not touched."""
+    global _kernels_ready
+    if _kernels_ready:
+        return
+    _kernels_ready = True  # first: the throwaway controller below comes through here too
+    controller = BudgetController(BudgetPolicy.parse("goodput"), step_model.clone())
+    trees = [DraftTree.from_arrays(tokens=[1, 2, 3], parents=[-1, 0, 0], probs=[0.9, 0.6, 0.2], source=[0, 1, 0]),
+             DraftTree.from_arrays(tokens=[4, 5], parents=[-1, 0], probs=[0.8, 0.7])]
+    context = np.array([64, 256])
+    _, decision = controller.allocate(trees, context, tpot_s=np.array([1.0, np.inf]), request_ids=["a", "b"])
+    controller.observe(decision, accepted=np.ones(decision.node_probs.shape), draft_s=1e-3, cap=8,
+                       measured_s=decision.predicted_step_s)
+    controller.allocate(trees, context, request_ids=["a", "b"], remaining_steps=np.array([10.0, 3.0]))
 
 
 @nb.njit(cache=True)

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -584,3 +590,55 @@ def test_online_refits_keep_the_start_up_sweep():
         twin.observe(np.ones(32), np.full(32, 1000.0), truth.predict(np.ones(32), np.full(32, 1000.0)))
     speculative = (np.full(32, 9.0), np.full(32, 1000.0))
     assert twin.predict(*speculative) == pytest.approx(truth.predict(*speculative), rel=0.02)
+
+
+_FIRST_CONTROLLER = textwrap.dedent("""
+    import json
+    import numpy as np
+    from numba.core.registry import CPUDispatcher
+    from drafter.tree import DraftTree
+    from orchestrator import budget, recalibration, roofline
+    from orchestrator.budget import BudgetController, BudgetPolicy
+    from orchestrator.roofline import KNOWN_HARDWARE, ModelShape, StepTimeModel
+
+    kernels = {f"{m.__name__}.{name}": f for m in (budget, recalibration, roofline)
+               for name, f in vars(m).items() if isinstance(f, CPUDispatcher)}
+    compiled = lambda: {name: len(f.signatures) for name, f in kernels.items() if f.signatures}
+    before = compiled()
+    shape = ModelShape.from_config({"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                                    "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152})
+    model = StepTimeModel(shape, KNOWN_HARDWARE["H100-SXM"])
+    coefficients = model.coefficients.copy()
+    controller = BudgetController(BudgetPolicy.parse("fixed:4"), model)
+    built = compiled()
+    untouched = {"policy": str(controller.policy), "samples": len(model.samples()),
+                 "coefficients_kept": bool(np.array_equal(model.coefficients, coefficients)),
+                 "recalibration_nodes": float(controller.recalibration._nodes.sum()),
+                 "drafted_steps": controller._drafted_steps}
+    # then goodput steps of a served batch: drafted trees, TPOT objectives, feedback, an offline batch's drain
+    served = BudgetController(BudgetPolicy.parse("goodput"), model.clone())
+    trees = [DraftTree.chain(np.arange(6) + 9 * i, probs=0.8 ** np.arange(1, 7)) for i in range(3)]
+    context = np.array([40, 300, 900])
+    for step in range(3):
+        _, decision = served.allocate(trees, context, tpot_s=np.array([0.05, np.inf, 0.2]), request_ids=list("xyz"))
+        accepted = (np.arange(decision.node_probs.size) % 2).astype(float)
+        served.observe(decision, accepted=accepted, draft_s=2e-3, cap=16, measured_s=0.02)
+    served.allocate(trees, context, request_ids=list("xyz"), remaining_steps=np.array([5.0, 50.0, 1.0]),
+                    tokens_per_step=np.array([2.0, 1.5, 1.0]))
+    print(json.dumps({"before": before, "built": built, "served": compiled(), **untouched}))
+""")
+
+
+def test_the_first_controller_of_a_process_compiles_the_goodput_steps_kernels_and_stays_untouched():
+    # A goodput step runs numba functions (allocation, recalibration, step-time model) that compile on first use;
+    # in a fresh install that cost the first goodput step of a process ~6 s. The first controller built in a
+    # process compiles them on a throwaway controller (whatever its own policy), so that goodput steps afterwards
+    # compile nothing more, and leaves the controller being built, and its step-time model, as they were.
+    done = subprocess.run([sys.executable, "-c", _FIRST_CONTROLLER], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1], timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["before"] == {} and len(result["built"]) >= 4
+    assert result["served"] == result["built"]  # the same functions, each with no new signature
+    assert result["policy"] == "fixed:4" and result["samples"] == 0 and result["coefficients_kept"]
+    assert result["recalibration_nodes"] == 0.0 and result["drafted_steps"] == 0
