@@ -213,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(point), flush=True)
             for prompt, a, b in zip(prompts, outputs["none"], outputs["goodput"]):
                 if a and b and a != b:  # lossless unless the target itself is at a rounding-level tie there
-                    gap = first_divergence_gap(stack.engine, prompt, a, b)
+                    # a forward, so on the runner thread (`orchestrator.runner`): one thread runs every kernel
+                    gap = stack.runner.call(lambda: first_divergence_gap(stack.engine, prompt, a, b))
                     divergences.append({"rate": rate, **gap})
                     if gap["top2_logit_gap"] <= NEAR_TIE and args.dtype != "float32":
                         near_ties += 1

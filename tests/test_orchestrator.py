@@ -372,6 +372,37 @@ def drafter_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("drafter")]
 
 
+def test_a_runner_builds_from_a_factory_on_its_own_thread_and_runs_calls_there(engine, datastore, prompt_ids,
+                                                                               reference):
+    # One thread runs every parallel kernel of a server (libgomp keeps a worker pool per thread that starts a
+    # parallel region: `orchestrator.runner`), so the runner builds the orchestrator itself from a factory and runs
+    # other such work (`call`) between its steps. Errors of either come back to the caller.
+    built_on = []
+
+    def build():
+        built_on.append(threading.current_thread())
+        return make_orchestrator(engine, datastore, "goodput")
+
+    runner = OrchestratorRunner(build).start()
+    assert runner.call(threading.current_thread) is built_on[0] is not threading.current_thread()
+    with pytest.raises(ZeroDivisionError):
+        runner.call(lambda: 1 / 0)
+    done = runner.generate(GenerationRequest(prompt_ids=prompt_ids[1], max_tokens=24), timeout=120)
+    assert done.token_ids == reference[1] and runner.error is None
+    runner.shutdown()
+    assert not runner.alive
+    with pytest.raises(RuntimeError, match="not running"):
+        runner.call(lambda: None)
+
+    def broken():
+        raise ValueError("no such model")
+
+    failed = OrchestratorRunner(broken)
+    with pytest.raises(ValueError, match="no such model"):
+        failed.start()
+    assert not failed.alive and failed.orchestrator is None
+
+
 def test_runner_streams_concurrently_and_cancels_abandoned_streams(engine, datastore, prompt_ids, reference):
     # With a (never reached) draft timeout, so that shutdown must also stop the drafting thread.
     runner = OrchestratorRunner(make_orchestrator(engine, datastore, "goodput", draft_timeout_s=60.0)).start()

@@ -118,37 +118,44 @@ class ServingStack:
         from trt_engines.prepare import resolve_model_dir
         from trt_engines.torch_engine import TorchEngine
 
-        if config.torch_threads:
-            torch.set_num_threads(config.torch_threads)
         model_dir = Path(resolve_model_dir(config.model))
-        engine = TorchEngine(config.model, dtype=getattr(torch, config.dtype), device=config.device,
-                             num_blocks=config.num_blocks, block_size=config.block_size, max_context=config.max_context,
-                             cpu_kernels=config.cpu_kernels, prefix_caching=config.prefix_caching)
-        drafter = make_drafter(config)
-        shape = ModelShape.from_config(model_dir)
-        if config.hardware == "measure":
-            from orchestrator.profiling import measure_hardware
-
-            spec = measure_hardware(engine.device.type, stream_mb=128, repeats=3,
-                                    cpu_kernels=getattr(engine, "kernel_linears", False), dtypes=(config.dtype,))
-        elif config.hardware == "nominal":
-            spec = NOMINAL_CPU
-        else:
-            spec = hardware(config.hardware)
-        step_model = StepTimeModel(shape, spec, dtype=config.dtype, attention_layout=engine.attention_layout)
-        if config.fit_step_model:
-            from orchestrator.profiling import fit_step_model
-
-            fit_step_model(engine, step_model, repeats=1)
-        policy = BudgetPolicy.parse(config.policy, max_nodes_per_request=config.max_nodes_per_request)
         metrics = ServingMetrics()
         tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-        orchestrator = MeteredOrchestrator(engine, drafter, BudgetController(policy, step_model), tokenizer=tokenizer,
-                                           max_running=config.max_running, metrics=metrics,
-                                           draft_timeout_s=config.draft_timeout_s, micro_batches=config.micro_batches,
-                                           prefill_chunk=config.prefill_chunk)
+
+        def build_orchestrator() -> MeteredOrchestrator:
+            # on the runner thread, which runs every parallel kernel of the server (`orchestrator.runner` docstring)
+            if config.torch_threads:
+                torch.set_num_threads(config.torch_threads)
+            engine = TorchEngine(config.model, dtype=getattr(torch, config.dtype), device=config.device,
+                                 num_blocks=config.num_blocks, block_size=config.block_size,
+                                 max_context=config.max_context, cpu_kernels=config.cpu_kernels,
+                                 prefix_caching=config.prefix_caching)
+            drafter = make_drafter(config)
+            shape = ModelShape.from_config(model_dir)
+            if config.hardware == "measure":
+                from orchestrator.profiling import measure_hardware
+
+                spec = measure_hardware(engine.device.type, stream_mb=128, repeats=3,
+                                        cpu_kernels=getattr(engine, "kernel_linears", False), dtypes=(config.dtype,))
+            elif config.hardware == "nominal":
+                spec = NOMINAL_CPU
+            else:
+                spec = hardware(config.hardware)
+            step_model = StepTimeModel(shape, spec, dtype=config.dtype, attention_layout=engine.attention_layout)
+            if config.fit_step_model:
+                from orchestrator.profiling import fit_step_model
+
+                fit_step_model(engine, step_model, repeats=1)
+            policy = BudgetPolicy.parse(config.policy, max_nodes_per_request=config.max_nodes_per_request)
+            return MeteredOrchestrator(engine, drafter, BudgetController(policy, step_model), tokenizer=tokenizer,
+                                       max_running=config.max_running, metrics=metrics,
+                                       draft_timeout_s=config.draft_timeout_s, micro_batches=config.micro_batches,
+                                       prefill_chunk=config.prefill_chunk)
+
+        runner = OrchestratorRunner(build_orchestrator).start()
+        orchestrator = runner.orchestrator
+        engine, drafter = orchestrator.engine, orchestrator.drafter
         metrics.free_kv_blocks.set(engine.free_blocks())
-        runner = OrchestratorRunner(orchestrator).start()
         return cls(config, engine, drafter, orchestrator, runner, tokenizer, metrics, model_dir)
 
     def set_policy(self, text: str) -> None:

@@ -327,8 +327,9 @@ def start_triton(stack: ServingStack, *, ports: TritonPorts = TritonPorts(), add
             config=ModelConfig(batching=False, decoupled=True),
             strict=True,
         )
-        service = DraftService(make_drafter(stack.config), idle_timeout_s=stack.config.draft_idle_timeout_s,
-                               vocab_size=stack.engine.vocab_size)
+        # built on the runner thread: a drafter compiles and warms its parallel kernels (`orchestrator.runner`)
+        service = DraftService(stack.runner.call(lambda: make_drafter(stack.config)),
+                               idle_timeout_s=stack.config.draft_idle_timeout_s, vocab_size=stack.engine.vocab_size)
         triton.bind(
             model_name=DRAFT_MODEL, infer_func=DraftModel(service),
             inputs=[
