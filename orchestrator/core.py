@@ -37,6 +37,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
+import numba
 import numpy as np
 
 from drafter.tree import DraftTree
@@ -141,7 +142,10 @@ class Orchestrator:
         # With a timeout, drafting runs on one worker thread so the step can go on without it. A late draft call
         # keeps running there (its trees are dropped), and the drafter's state must not change under it: every
         # drafter update waits for it first (`_drafter_idle`), which overlaps the wait with the verify forward.
-        self._draft_pool = ThreadPoolExecutor(1, thread_name_prefix="drafter") if draft_timeout_s else None
+        # Its kernels run on one thread there: a second thread with a live pool of OpenMP workers makes the engine's
+        # parallel kernels slower (`orchestrator.runner`; a plain decode step took 34 ms beside one, 16 alone).
+        self._draft_pool = (ThreadPoolExecutor(1, thread_name_prefix="drafter", initializer=numba.set_num_threads,
+                                               initargs=(1,)) if draft_timeout_s else None)
         self._late_draft: Future | None = None
         self._ids = itertools.count()
         # KV admission ledger: blocks reserved for each running request's whole life (prompt + max_tokens + the

@@ -11,6 +11,7 @@ import threading
 import time
 from pathlib import Path
 
+import numba
 import numpy as np
 import pytest
 import torch
@@ -341,6 +342,8 @@ def test_drafter_timeout_falls_back_and_never_races_the_late_call(engine, datast
     assert 0 < orchestrator.drafter_timeouts <= orchestrator.drafter_fallbacks
     assert sum(r["stats"].fallbacks for r in results.values()) == orchestrator.drafter_fallbacks
     assert sum(r["stats"].accepted for r in results.values()) > 0  # the punctual calls still speculated
+    # the drafting thread runs its kernels on itself alone (a second pool of OpenMP workers slows the engine's)
+    assert orchestrator._draft_pool.submit(numba.get_num_threads).result() == 1
     orchestrator.close()
     assert not drafter_threads()
     again = run_all(orchestrator, [GenerationRequest(prompt_ids=prompt_ids[0], max_tokens=24)])
