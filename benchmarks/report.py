@@ -29,7 +29,8 @@ from benchmarks.plotting import panels_by_set
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 NAMES = ("datastore", "verify_cost", "attention_calls", "acceptance", "draft_batch", "throughput", "throughput_avx2",
-         "batch_invariance", "prefix_cache", "chunked_prefill", "serving", "simulator_validation", "projection",
+         "batch_invariance", "prefix_cache", "chunked_prefill", "serving", "serving_avx2", "simulator_validation",
+         "projection",
          "gpu_verify_cost")
 BEGIN, END = "<!-- headline:begin -->", "<!-- headline:end -->"
 
@@ -106,12 +107,15 @@ def headline_rows(results: dict[str, dict]) -> list[tuple[str, str, str, str]]:
                      "gap, the long prompt's TTFT (" + ", ".join(f"{c}-token chunks" for c in s) + ")",
                      "; ".join(f"{v['stream_gap_max_ms']:.2f}, {v['long_ttft_s']:.2f}" for v in s.values()), "",
                      "chunked_prefill"))
-    if "serving" in results:
-        s = results["serving"]["summary"]
-        rows.append(("Triton serving p50 latency goodput / none, low and high load",
-                     f"{_fmt(s.get('latency_ratio_low_load'))}, {_fmt(s.get('latency_ratio_high_load'))}",
-                     "<= 0.6, <= 1.03", "serving"))
-        rows.append(("failed requests under load", str(s.get("failed_requests")), "0", "serving"))
+    for name in ("serving", "serving_avx2"):
+        if name in results:
+            s = results[name]["summary"]
+            # the CPU, where the file recorded it: `serving.md` predates that
+            where = f" (CPU: {results[name]['config']['cpu']})" if "cpu" in results[name].get("config", {}) else ""
+            rows.append((f"Triton serving p50 latency goodput / none, low and high load{where}",
+                         f"{_fmt(s.get('latency_ratio_low_load'))}, {_fmt(s.get('latency_ratio_high_load'))}",
+                         "<= 0.6, <= 1.03", name))
+            rows.append((f"failed requests under load{where}", str(s.get("failed_requests")), "0", name))
     if "simulator_validation" in results:
         s = results["simulator_validation"]["summary"]
         rows.append(("simulated vs measured CPU throughput, max abs error", _fmt(s.get("sim_vs_measured_max_abs_err"), ".1%"),
@@ -232,9 +236,11 @@ def plot_step_time(path: Path, results: dict[str, dict]) -> bool:
 
 def plot_latency_vs_rate(path: Path, results: dict[str, dict]) -> bool:
     panels = []
-    if "serving" in results:
-        pts = results["serving"]["points"]
-        panels.append(("CPU, Triton endpoint (measured)", [(p["rate"], p["policy"], p["p50_latency_s"]) for p in pts]))
+    for name, label in (("serving", "CPU"), ("serving_avx2", "AVX2 CPU")):
+        if name in results:
+            pts = results[name]["points"]
+            panels.append((f"{label}, Triton endpoint (measured)",
+                           [(p["rate"], p["policy"], p["p50_latency_s"]) for p in pts]))
     if "projection" in results:
         sweep = results["projection"]["rate_sweep"]
         for label in dict.fromkeys(r["deployment"] for r in sweep):
