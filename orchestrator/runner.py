@@ -117,7 +117,7 @@ class OrchestratorRunner:
         self._commands.put(("call", fn, done, holder))
         self._wake.set()
         while not done.wait(0.5):
-            if not self.alive:  # stopped before it got to the call
+            if not self.alive and not done.is_set():  # stopped before it got to the call
                 raise RuntimeError("the runner stopped before running the call")
         kind, value = holder[0]
         if kind == "error":
