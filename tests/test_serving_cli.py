@@ -52,6 +52,7 @@ def test_serve_both_front_ends_then_graceful_sigterm(tmp_path):
             except httpx.HTTPError:
                 time.sleep(0.5)
         assert ready, (tmp_path / "serve.log").read_text()[-3000:]
+        assert "ready in" in (tmp_path / "serve.log").read_text()  # start-up says when it is done, and with what
 
         client = grpcclient.InferenceServerClient(f"127.0.0.1:{t_grpc}")
         deadline = time.monotonic() + 120

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import signal
 import threading
+import time
 from collections.abc import Sequence
 
 from trt_engines.base import CPU_KERNEL_CHOICES
@@ -79,7 +80,18 @@ def serve_main(argv: Sequence[str]) -> int:
         config = _config(args)
     except ValueError as exc:
         parser.error(str(exc))
+    steps = [f"loading {config.model} ({config.dtype})"]
+    if config.hardware == "measure":
+        steps.append("profiling this device")
+    if config.fit_step_model:
+        steps.append("fitting the step-time model")
+    print(", ".join(steps) + " (a first run also compiles numba's kernels)...", flush=True)
+    started = time.monotonic()
     stack = ServingStack.build(config)
+    engine = stack.engine
+    print(f"ready in {time.monotonic() - started:.0f} s: policy {config.policy}, {engine.total_blocks()} KV blocks "
+          f"({engine.max_context}-token context), hardware {stack.orchestrator.budget.step_model.hardware.name}",
+          flush=True)
     triton = None
     stop = threading.Event()
     try:
