@@ -29,9 +29,8 @@ from benchmarks.plotting import panels_by_set
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 NAMES = ("datastore", "verify_cost", "attention_calls", "acceptance", "draft_batch", "throughput", "throughput_avx2",
-         "batch_invariance", "prefix_cache", "chunked_prefill", "serving", "serving_avx2", "simulator_validation",
-         "projection",
-         "gpu_verify_cost")
+         "batch_invariance", "prefix_cache", "chunked_prefill", "serving", "serving_avx2", "thread_pools",
+         "simulator_validation", "projection", "gpu_verify_cost")
 BEGIN, END = "<!-- headline:begin -->", "<!-- headline:end -->"
 
 

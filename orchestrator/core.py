@@ -143,7 +143,8 @@ class Orchestrator:
         # keeps running there (its trees are dropped), and the drafter's state must not change under it: every
         # drafter update waits for it first (`_drafter_idle`), which overlaps the wait with the verify forward.
         # Its kernels run on one thread there: a second thread with a live pool of OpenMP workers makes the engine's
-        # parallel kernels slower (`orchestrator.runner`; a plain decode step took 34 ms beside one, 16 alone).
+        # parallel kernels slower (`orchestrator.runner`; a plain decode step took 50.2 ms beside one, 15.7 ms beside
+        # one whose kernel ran on 1 thread: `benchmarks/results/thread_pools.md`).
         self._draft_pool = (ThreadPoolExecutor(1, thread_name_prefix="drafter", initializer=numba.set_num_threads,
                                                initargs=(1,)) if draft_timeout_s else None)
         self._late_draft: Future | None = None

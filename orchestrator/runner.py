@@ -14,9 +14,8 @@ its first step, and `call(fn)` runs any other work on it, so that one thread run
 process. numba's and PyTorch's OpenMP runtimes (libgomp) keep a pool of worker threads for each thread that has
 started a parallel region, and once one runtime manages more threads than there are CPUs its workers stop spinning
 between regions and sleep instead. A verify step runs hundreds of short regions: on a 2-core AVX2 EPYC a plain decode
-step of the default model took 36-41 ms on a second thread after the main thread had decoded, against 15-17 ms when
-one thread, main or not, ran everything (`TorchEngine` with its numba kernels, median of 64 steps). Served through
-Triton that was a TPOT of 48 ms where the offline benchmark decodes at 20.
+step of the default model took 49.9 ms on a second thread after the main thread had decoded, against 16.7 ms on
+the main thread alone and 20.0 ms built and stepped on one other thread (`benchmarks/results/thread_pools.md`).
 """
 
 from __future__ import annotations
