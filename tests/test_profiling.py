@@ -28,14 +28,40 @@ def test_measure_hardware_default_profile_has_both_dtypes_and_refuses_unknown_on
             measure_hardware("cpu", size=128, stream_mb=8, repeats=1, dtypes=bad)
 
 
-def test_serving_stack_measures_only_its_own_dtype():
-    """`retrospec serve --dtype float32` profiles fp32 alone: on a CPU without bf16 instructions, timing PyTorch's
-    bf16 matmul as well took minutes before the server could start."""
-    from orchestrator.serving.stack import ServingConfig, ServingStack
+def test_serving_stack_builds_on_its_runner_thread_and_measures_only_its_own_dtype():
+    """Everything of the stack's start-up that runs parallel kernels runs on the runner thread, which steps the
+    engine after: built on the main thread and stepped on another, a decode step took ~3x as long
+    (`benchmarks/results/thread_pools.md`). And `retrospec serve --dtype float32` profiles fp32 alone: on a CPU
+    without bf16 instructions, timing PyTorch's bf16 matmul as well took minutes before the server could start."""
+    import sys
+    import threading
 
-    stack = ServingStack.build(ServingConfig(dtype="float32", num_blocks=32, max_context=256, datastores=(),
-                                             hardware="measure", fit_step_model=False, max_running=2))
+    from orchestrator.profiling import fit_step_model
+    from orchestrator.serving.stack import ServingConfig, ServingStack, make_drafter
+    from trt_engines.prepare import resolve_model_dir
+    from trt_engines.torch_engine import TorchEngine
+
+    watched = {f.__code__: f.__qualname__ for f in (resolve_model_dir, TorchEngine.__init__, make_drafter,
+                                                     measure_hardware, fit_step_model)}
+    ran_on: dict[str, set[str]] = {}
+
+    def record(frame, event, arg):
+        if event == "call" and frame.f_code in watched:
+            ran_on.setdefault(watched[frame.f_code], set()).add(threading.current_thread().name)
+
+    # Python 3.11 has no setprofile for running threads: hook this one and every thread started from now on.
+    threading.setprofile(record)
+    sys.setprofile(record)
     try:
+        stack = ServingStack.build(ServingConfig(dtype="float32", num_blocks=32, max_context=256, datastores=(),
+                                                 hardware="measure", fit_step_model=True, max_running=2))
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+    try:
+        runner_thread = stack.runner.call(lambda: threading.current_thread().name)
+        assert runner_thread != threading.current_thread().name
+        assert ran_on == {name: {runner_thread} for name in watched.values()}
         hardware = stack.orchestrator.budget.step_model.hardware
         assert hardware.name.startswith("measured:") and set(hardware.peak_flops) == {"float32"}
     finally:

@@ -118,14 +118,17 @@ class ServingStack:
         from trt_engines.prepare import resolve_model_dir
         from trt_engines.torch_engine import TorchEngine
 
-        model_dir = Path(resolve_model_dir(config.model))
         metrics = ServingMetrics()
-        tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        model_dirs: list[Path] = []
 
         def build_orchestrator() -> MeteredOrchestrator:
-            # on the runner thread, which runs every parallel kernel of the server (`orchestrator.runner` docstring)
+            # On the runner thread, which runs every parallel kernel of the server (`orchestrator.runner` docstring),
+            # from the model's first-use conversion (PyTorch) to the step-model fit.
             if config.torch_threads:
                 torch.set_num_threads(config.torch_threads)
+            model_dir = Path(resolve_model_dir(config.model))
+            model_dirs.append(model_dir)
+            tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
             engine = TorchEngine(config.model, dtype=getattr(torch, config.dtype), device=config.device,
                                  num_blocks=config.num_blocks, block_size=config.block_size,
                                  max_context=config.max_context, cpu_kernels=config.cpu_kernels,
@@ -156,7 +159,7 @@ class ServingStack:
         orchestrator = runner.orchestrator
         engine, drafter = orchestrator.engine, orchestrator.drafter
         metrics.free_kv_blocks.set(engine.free_blocks())
-        return cls(config, engine, drafter, orchestrator, runner, tokenizer, metrics, model_dir)
+        return cls(config, engine, drafter, orchestrator, runner, orchestrator.tokenizer, metrics, model_dirs[0])
 
     def set_policy(self, text: str) -> None:
         """Switch the budget policy (benchmarks compare policies on one warm server). Call while idle."""
