@@ -544,8 +544,9 @@ def tiny_engine(tmp_path_factory):
         pytest.skip("default model not prepared")
     from trt_engines.trtllm_build import run_build
 
+    # max_num_tokens below the longest prompt of the lossless test, so the executor must chunk that context
     plan = plan_build(default_model_dir(), tmp_path_factory.mktemp("trtllm") / "engine", max_draft_len=8,
-                      dtype="float32", max_batch_size=4, max_seq_len=512)
+                      dtype="float32", max_batch_size=4, max_seq_len=512, max_num_tokens=128)
     run_build(plan)
     return plan.engine_dir
 
@@ -564,7 +565,8 @@ def test_gpu_tensorrtllm_engine_is_lossless_against_torch_engine(tiny_engine):
     from orchestrator.spec_loop import generate
     from trt_engines.torch_engine import TorchEngine
 
-    prompts = [[1, 9690, 198, 2683, 359, 253, 5356, 5646], PROMPT]
+    long_prompt = (PROMPT * 20)[:200]  # above the engine's max_num_tokens (128): a chunked context
+    prompts = [[1, 9690, 198, 2683, 359, 253, 5356, 5646], PROMPT, long_prompt]
     reference, _ = generate(TorchEngine("default", dtype=torch.float32, max_context=512), prompts, max_new_tokens=24)
     draft_fn = _input_drafter(8)
     with TensorRTLLMEngine(tiny_engine) as engine:

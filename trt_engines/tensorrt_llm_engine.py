@@ -36,8 +36,9 @@ Checked against (read, not copied; NVIDIA/TensorRT-LLM on GitHub, release line 1
       acceptance_threshold=None, fast_logits=None); OutputConfig(..., exclude_input_from_output=...);
       SamplingConfig(beam_width=1, *, top_k, top_p, seed, temperature, ...); Response.has_error(),
       Response.error_msg, Response.result; Result.output_token_ids (one list per beam), Result.is_final
-    - executorConfig.cpp: ExecutorConfig(max_beam_width=1, scheduler_config, kv_cache_config, ...),
-      KvCacheConfig(enable_block_reuse=True, max_tokens=None, ..., free_gpu_memory_fraction=None, ...)
+    - executorConfig.cpp: ExecutorConfig(max_beam_width=1, scheduler_config, kv_cache_config,
+      enable_chunked_context=False, ...), KvCacheConfig(enable_block_reuse=True, max_tokens=None, ...,
+      free_gpu_memory_fraction=None, ...)
     - bindings.cpp: ModelType.DECODER_ONLY
     - examples/bindings/executor/example_basic.py (import path and call order)
     - triton_backend/all_models/inflight_batcher_llm/tensorrt_llm_bls/1/lib/triton_decoder.py (request_output_len =
@@ -194,16 +195,24 @@ class StepBackend(Protocol):
 
 class ExecutorBackend:
     """`StepBackend` over a real `tensorrt_llm.bindings.executor.Executor` (in-flight batching, paged KV with block
-    reuse). All steps of one `run` are enqueued together, so they share the executor's iterations."""
+    reuse). All steps of one `run` are enqueued together, so they share the executor's iterations.
+
+    Chunked context is on by default: `build-engine` allows inputs up to max_seq_len - 1 tokens and takes any
+    `--max-num-tokens` that holds one step's drafts, so a prompt (or the uncached part of a re-submitted sequence)
+    may be longer than the engine's max_num_tokens per iteration. With chunking the executor computes it over several
+    iterations, beside the other requests' steps; without it such a request fails. The engine's paged context FMHA
+    (a `build-engine` flag) is what chunking needs."""
 
     def __init__(self, engine_dir: str | Path, *, kv_cache_free_gpu_memory_fraction: float = 0.9,
-                 kv_cache_max_tokens: int | None = None, timeout_s: float = 120.0, trtllm=None) -> None:
+                 kv_cache_max_tokens: int | None = None, enable_chunked_context: bool = True,
+                 timeout_s: float = 120.0, trtllm=None) -> None:
         self.trtllm = trtllm or import_executor_bindings()
         t = self.trtllm
         kv = t.KvCacheConfig(enable_block_reuse=True, max_tokens=kv_cache_max_tokens,
                              free_gpu_memory_fraction=kv_cache_free_gpu_memory_fraction)
         self.executor = t.Executor(Path(engine_dir), t.ModelType.DECODER_ONLY,
-                                   t.ExecutorConfig(max_beam_width=1, kv_cache_config=kv))
+                                   t.ExecutorConfig(max_beam_width=1, kv_cache_config=kv,
+                                                    enable_chunked_context=enable_chunked_context))
         self.timeout = datetime.timedelta(seconds=timeout_s)
 
     def run(self, steps: Sequence[StepRequest]) -> list[list[int]]:
@@ -246,8 +255,8 @@ class TensorRTLLMEngine:
 
     def __init__(self, engine_dir: str | Path, *, backend: StepBackend | None = None,
                  eos_token_ids: Sequence[int] | None = None, kv_cache_free_gpu_memory_fraction: float = 0.9,
-                 kv_cache_max_tokens: int | None = None, block_size: int | None = None,
-                 timeout_s: float = 120.0) -> None:
+                 kv_cache_max_tokens: int | None = None, enable_chunked_context: bool = True,
+                 block_size: int | None = None, timeout_s: float = 120.0) -> None:
         self.config: EngineConfig = read_engine_config(engine_dir)
         c = self.config
         self.vocab_size: int = c.vocab_size
@@ -266,7 +275,8 @@ class TensorRTLLMEngine:
         self._total_blocks = max(1, kv_tokens // self.block_size)
         self.backend: StepBackend = backend or ExecutorBackend(
             engine_dir, kv_cache_free_gpu_memory_fraction=kv_cache_free_gpu_memory_fraction,
-            kv_cache_max_tokens=kv_cache_max_tokens, timeout_s=timeout_s)
+            kv_cache_max_tokens=kv_cache_max_tokens, enable_chunked_context=enable_chunked_context,
+            timeout_s=timeout_s)
         self._requests: dict[object, _Request] = {}
 
     # ---- capacity ---------------------------------------------------------------------------------------------
