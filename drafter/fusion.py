@@ -37,6 +37,14 @@ from drafter.input_index import trie_child
 # entry columns (float64 [cap, 9]; integer fields are exact in float64)
 _KEY, _RAW, _DEPTH, _TOK, _REF, _SRC, _AT, _DELTA, _MLEN = range(9)
 
+# Integer arguments of the helpers below are passed as int64 values, never as literals or narrower ints: numba
+# compiles a jitted callee once per tuple of argument types, and a constant argument has a type of its own
+# (Literal[int](1)), so each constant call site compiled `_push` and its callers again: 8 copies of `_push`, and a
+# fresh install's first `Drafter` compiled 3x as long (`benchmarks/results/compile_time.md`).
+_ZERO = np.int64(0)
+_ONE = np.int64(1)
+_ROOT = np.int64(-1)  # tree parent of a root-level entry
+
 
 @nb.njit(cache=True)
 def calibrate(src, depth, mlen, raw, lookup, kx, ky, kn):
@@ -88,11 +96,15 @@ def _better(ent, a, b):
 def _push(ent, heap, n_ent, n_heap, key, raw, depth, tok, ref, src, at, delta, mlen):
     """Append an entry and sift it up; returns possibly reallocated (ent, heap)."""
     if n_ent == ent.shape[0]:
+        # copied element by element: a slice assignment compiles numba's shape-mismatch error message (~5 s)
         bigger = np.empty((2 * ent.shape[0], ent.shape[1]), np.float64)
-        bigger[:n_ent] = ent
+        flat_old, flat_new = ent.reshape(-1), bigger.reshape(-1)
+        for i in range(n_ent * ent.shape[1]):
+            flat_new[i] = flat_old[i]
         ent = bigger
         h2 = np.empty(2 * heap.shape[0], np.int64)
-        h2[:n_heap] = heap[:n_heap]
+        for i in range(n_heap):
+            h2[i] = heap[i]
         heap = h2
     e = ent[n_ent]
     e[_KEY], e[_RAW], e[_DEPTH], e[_TOK], e[_REF] = key, raw, depth, tok, ref
@@ -148,8 +160,8 @@ def _seed_suffixes(ent, heap, n_ent, n_heap, seq, n_seq, tok, cnt, first, sib, h
         if occ <= 0:
             continue
         ent, heap, n_ent, n_heap = _push_count_children(
-            ent, heap, n_ent, n_heap, tok, cnt, first, sib, top, k, node, input_scale, occ, 1.0,
-            delta_base + delta_step * m, m, 1, 1.0, src, -1, lookup, kx, ky, kn)
+            ent, heap, n_ent, n_heap, tok, cnt, first, sib, top, k, node, input_scale, np.int64(occ), 1.0,
+            delta_base + delta_step * m, m, _ONE, 1.0, src, _ROOT, lookup, kx, ky, kn)
     return ent, heap, n_ent, n_heap
 
 
@@ -164,7 +176,7 @@ def _push_count_children(ent, heap, n_ent, n_heap, tok, cnt, first, sib, top, k,
     while ch >= 0:
         raw = scale * cnt[ch] / occ * damp
         key = min(calibrate(src, depth, mlen, raw, lookup, kx, ky, kn), pprob)
-        ent, heap = _push(ent, heap, n_ent, n_heap, key, raw, depth, tok[ch], ch, src, at, delta, mlen)
+        ent, heap = _push(ent, heap, n_ent, n_heap, key, raw, depth, tok[ch], np.int64(ch), src, at, delta, mlen)
         n_ent += 1
         n_heap += 1
         j += 1
@@ -197,16 +209,16 @@ def fuse_one(
     fan = min(fanout, budget)
     ent = np.empty((64, 9), np.float64)
     heap = np.empty(64, np.int64)
-    n_ent = 0
-    n_heap = 0
+    n_ent = _ZERO
+    n_heap = _ZERO
     # ---- seed: children of every matched suffix in the request's own index, then in the output history, then of
     # every datastore root. The query is the newest occurrence in its own index (no continuation), not in the history.
     ent, heap, n_ent, n_heap = _seed_suffixes(
-        ent, heap, n_ent, n_heap, seq, n_seq, itok, icnt, ifirst, isib, hkeys, hvals, htop, 0, 1, 0,
+        ent, heap, n_ent, n_heap, seq, n_seq, itok, icnt, ifirst, isib, hkeys, hvals, htop, _ZERO, _ONE, _ZERO,
         query_len, input_scale, delta_base, delta_step, lookup, kx, ky, kn)
     if history_src >= 0:
         ent, heap, n_ent, n_heap = _seed_suffixes(
-            ent, heap, n_ent, n_heap, seq, n_seq, htok, hcnt, hfirst, hsib, hhkeys, hhvals, htop, history_top, 0,
+            ent, heap, n_ent, n_heap, seq, n_seq, htok, hcnt, hfirst, hsib, hhkeys, hhvals, htop, history_top, _ZERO,
             history_src, query_len, input_scale, delta_base, delta_step, lookup, kx, ky, kn)
     for k in range(ds_roots.shape[0]):
         r = ds_roots[k]
@@ -215,8 +227,9 @@ def fuse_one(
         c = dfirst[r]
         while c >= 0:
             raw = dcnt[c] / dcnt[r]
-            key = min(calibrate(1 + k, 1, ds_mlen[k], raw, lookup, kx, ky, kn), 1.0)
-            ent, heap = _push(ent, heap, n_ent, n_heap, key, raw, 1, dtok[c], c, 1 + k, -1, 1.0, ds_mlen[k])
+            key = min(calibrate(1 + k, _ONE, np.int64(ds_mlen[k]), raw, lookup, kx, ky, kn), 1.0)
+            ent, heap = _push(ent, heap, n_ent, n_heap, key, raw, _ONE, dtok[c], np.int64(c), 1 + k, _ROOT, 1.0,
+                              np.int64(ds_mlen[k]))
             n_ent += 1
             n_heap += 1
             c = dsib[c]
@@ -270,18 +283,18 @@ def fuse_one(
                 continue
             if src == 0:
                 ent, heap, n_ent, n_heap = _push_count_children(
-                    ent, heap, n_ent, n_heap, itok, icnt, ifirst, isib, htop, 0, ref, raw_p, icnt[ref], delta, delta,
-                    mlen, depth, pprob, src, c, lookup, kx, ky, kn)
+                    ent, heap, n_ent, n_heap, itok, icnt, ifirst, isib, htop, _ZERO, ref, raw_p, np.int64(icnt[ref]),
+                    delta, delta, mlen, depth, pprob, src, c, lookup, kx, ky, kn)
             else:
                 ent, heap, n_ent, n_heap = _push_count_children(
-                    ent, heap, n_ent, n_heap, htok, hcnt, hfirst, hsib, htop, history_top, ref, raw_p, hcnt[ref], delta,
-                    delta, mlen, depth, pprob, src, c, lookup, kx, ky, kn)
+                    ent, heap, n_ent, n_heap, htok, hcnt, hfirst, hsib, htop, history_top, ref, raw_p,
+                    np.int64(hcnt[ref]), delta, delta, mlen, depth, pprob, src, c, lookup, kx, ky, kn)
         else:
             ch = dfirst[ref]
             while ch >= 0:
                 raw = raw_p * dcnt[ch] / dcnt[ref]
                 key = min(calibrate(src, depth, mlen, raw, lookup, kx, ky, kn), pprob)
-                ent, heap = _push(ent, heap, n_ent, n_heap, key, raw, depth, dtok[ch], ch, src, c, 1.0, mlen)
+                ent, heap = _push(ent, heap, n_ent, n_heap, key, raw, depth, dtok[ch], np.int64(ch), src, c, 1.0, mlen)
                 n_ent += 1
                 n_heap += 1
                 ch = dsib[ch]

@@ -161,7 +161,8 @@ def _fit_knots(centers, ratios, nodes, prior_nodes, knots_y) -> None:
     for bucket in range(ratios.shape[0]):
         rates = pav_kernel(np.minimum(centers * ratios[bucket], 1.0), nodes[bucket] + prior_nodes)
         knots_y[bucket, 0] = 0.0
-        knots_y[bucket, 1:-1] = rates
+        for j in range(rates.shape[0]):  # not a slice assignment: that compiles numba's shape-mismatch message (~3 s)
+            knots_y[bucket, 1 + j] = rates[j]
         knots_y[bucket, -1] = min(max(ratios[bucket, -1], rates[-1]), 1.0)
 
 

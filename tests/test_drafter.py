@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import heapq
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -282,6 +288,49 @@ def test_fusion_equals_reference(ds, ds2, docs, sources, fanout):
             assert np.all(res.tree.source >= SOURCE_DATASTORE)
     from_history = sum(int(np.sum(r.tree.source == dr.history_source)) for r in results)
     assert (from_history > 0) == (sources != "datastore")  # the history is drafted, except by datastore-only drafts
+
+
+_FRESH_DRAFTER = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    from numba.core.registry import CPUDispatcher
+    from datastore import Datastore, kernels as datastore_kernels
+    from drafter import calibration, datastore_source, fusion, input_index
+    from drafter.drafter import Drafter, DrafterConfig
+
+    modules = (fusion, input_index, datastore_source, calibration, datastore_kernels)
+    dispatchers = {f"{m.__name__}.{name}": f for m in modules for name, f in vars(m).items()
+                   if isinstance(f, CPUDispatcher)}
+    compiled = lambda: {name: len(f.signatures) for name, f in dispatchers.items() if f.signatures}
+    drafter = Drafter(DrafterConfig(), datastores=[Datastore.open(sys.argv[1])])
+    built = compiled()
+    rng = np.random.default_rng(0)
+    for i in range(3):  # finished requests: an output history
+        drafter.start_request(f"done{i}", rng.integers(0, 8, 12))
+        drafter.extend(f"done{i}", rng.integers(0, 9, 30))
+        drafter.stop_request(f"done{i}")
+    for n in (2, 20):  # the serial kernel, then the parallel one; every source drafts
+        for i in range(n):
+            drafter.start_request((n, i), rng.integers(0, 8, 40))
+        trees = drafter.draft([((n, i), 32) for i in range(n)])
+        assert sum(len(t) for t in trees) > 0
+    print(json.dumps({"built": built, "drafted": compiled()}))
+""")
+
+
+def test_a_fresh_drafter_compiles_each_fusion_helper_once_and_drafting_compiles_nothing_more(ds, tmp_path):
+    # numba compiles a jitted function once per tuple of argument types, and a constant argument has a type of its
+    # own (Literal[int](1)): constant call sites once made 8 copies of `_push` (a fresh install's first Drafter
+    # compiled for 41 s). In a process with an empty numba cache, building a Drafter (its warm-up) compiles every
+    # fusion helper once, and drafting afterwards, serial and parallel, from every source, compiles nothing new.
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", _FRESH_DRAFTER, str(ds.path)], env=env, capture_output=True,
+                          text=True, cwd=Path(__file__).resolve().parents[1], timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    helpers = ("fuse_one", "_seed_suffixes", "_push_count_children", "_push", "_pop", "calibrate")
+    assert {h: result["built"].get(f"drafter.fusion.{h}") for h in helpers} == {h: 1 for h in helpers}
+    assert result["drafted"] == result["built"]
 
 
 def test_trees_valid_deterministic_and_budgeted(ds, ds2):
