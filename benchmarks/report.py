@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 NAMES = ("datastore", "verify_cost", "attention_calls", "acceptance", "draft_batch", "throughput", "throughput_avx2",
          "batch_invariance", "prefix_cache", "chunked_prefill", "serving", "serving_avx2", "thread_pools",
-         "simulator_validation", "projection", "gpu_verify_cost")
+         "compile_time", "simulator_validation", "projection", "gpu_verify_cost")
 BEGIN, END = "<!-- headline:begin -->", "<!-- headline:end -->"
 
 
