@@ -58,8 +58,12 @@ def test_serving_stack_builds_on_its_runner_thread_and_measures_only_its_own_dty
     finally:
         sys.setprofile(None)
         threading.setprofile(None)
+    def unhook() -> str:
+        sys.setprofile(None)  # the runner thread's own hook, set when it started
+        return threading.current_thread().name
+
     try:
-        runner_thread = stack.runner.call(lambda: threading.current_thread().name)
+        runner_thread = stack.runner.call(unhook)
         assert runner_thread != threading.current_thread().name
         assert ran_on == {name: {runner_thread} for name in watched.values()}
         hardware = stack.orchestrator.budget.step_model.hardware
