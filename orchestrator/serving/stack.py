@@ -123,7 +123,7 @@ class ServingStack:
 
         def build_orchestrator() -> MeteredOrchestrator:
             # On the runner thread, which runs every parallel kernel of the server (`orchestrator.runner` docstring),
-            # from the model's first-use conversion (PyTorch) to the step-model fit.
+            # from resolving the model folder to the step-model fit (start-up in one place; resolving runs no kernel).
             if config.torch_threads:
                 torch.set_num_threads(config.torch_threads)
             model_dir = Path(resolve_model_dir(config.model))
