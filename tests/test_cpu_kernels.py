@@ -4,6 +4,7 @@ invariance by construction (property tests), and bad input. The engine-level tes
 
 from __future__ import annotations
 
+import json
 import os
 import runpy
 import subprocess
@@ -18,9 +19,59 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trt_engines.cpu_kernels import Bf16Linear, TreeAttentionLayout, bf16_bits, tree_attention
+from trt_engines.cpu_kernels import VECTOR_FLOATS, Bf16Linear, TreeAttentionLayout, bf16_bits, tree_attention
 
 HYP = settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+REPO = Path(__file__).resolve().parents[1]
+
+
+class _Run:
+    """A script run in a fresh Python process, started now and read later: its output goes to a log file."""
+
+    def __init__(self, script: str, args: list[str], env: dict[str, str], log: Path):
+        self.log = log
+        with open(log, "w") as out:
+            self.process = subprocess.Popen([sys.executable, "-c", script, *args], env=env, cwd=REPO, stdout=out,
+                                            stderr=subprocess.STDOUT)
+
+    def output(self, timeout: float = 900) -> str:
+        """Its output, once it has exited 0 (else the test fails with the tail of its log)."""
+        code = self.process.wait(timeout)
+        text = self.log.read_text()
+        assert code == 0, text[-3000:]
+        return text
+
+
+def _digest(log: str) -> str:
+    """The digest `_DECODE_BITS` printed (its log also holds whatever the process wrote to stderr)."""
+    lines = [line for line in log.splitlines() if line.startswith('{"digest"')]
+    assert len(lines) == 1, log[-3000:]
+    return json.loads(lines[0])["digest"]
+
+
+@pytest.fixture(scope="module")
+def kernel_runs(tmp_path_factory):
+    """This module's two runs in fresh processes, both started when the module's first test starts. Each compiles
+    every kernel it uses afresh (~50 s on one core: numba compiles single-threaded), so they run beside this
+    process's own tests, which compile theirs, rather than one after another (`make test`'s budget)."""
+    folder = tmp_path_factory.mktemp("kernel_runs")
+    # other width: the vector-width test's other half; the override turns numba's on-disk cache off there
+    other_width = {**os.environ, "RETROSPEC_CPU_VECTOR_FLOATS": "16" if VECTOR_FLOATS == 8 else "8"}
+    # an empty cache of its own: the cache test's first run compiles into it, its second loads from it
+    cache_env = {k: v for k, v in os.environ.items() if k != "RETROSPEC_CPU_VECTOR_FLOATS"}
+    cache_env["NUMBA_CACHE_DIR"] = str(folder / "numba_cache")
+    runs = {
+        "other_width": _Run(_OUTPUTS_AT_A_WIDTH, [str(folder / "other.npz")], other_width, folder / "other.log"),
+        "compiling": _Run(_DECODE_BITS, [], cache_env, folder / "compiling.log"),
+    }
+    yield {"folder": folder, "cache_env": cache_env, **runs}
+    for run in runs.values():  # a test that failed early leaves nothing running
+        if run.process.poll() is None:
+            run.process.kill()
+            run.process.wait()
+
+
+pytestmark = pytest.mark.usefixtures("kernel_runs")
 
 
 def _bf16(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> torch.Tensor:
@@ -109,7 +160,7 @@ def _paged(rng, kv_heads: int, slots: int, dim: int):
 @given(parents=trees, context=st.integers(1, 40), seed=st.integers(0, 2**16))
 def test_tree_attention_matches_a_float64_reference(parents, context, seed):
     rng = np.random.default_rng(seed)
-    heads, kv_heads, dim = 6, 2, 16
+    heads, kv_heads, dim = 6, 2, 64  # SmolLM2's head_dim: the kernel the engine compiles (one per head_dim)
     k, v, k_bits, v_bits = _paged(rng, kv_heads, 128, dim)
     n = len(parents) + 1
     slots = rng.permutation(128)[: context + n]  # paged: a request's keys anywhere in the pool
@@ -127,14 +178,14 @@ def test_tree_attention_matches_a_float64_reference(parents, context, seed):
 
 
 @HYP
-@given(parents=trees, context=st.integers(1, 40), others=st.integers(0, 3), dim=st.sampled_from([16, 64]),
-       seed=st.integers(0, 2**16))
-def test_tree_attention_row_equals_plain_decoding_of_its_path(parents, context, others, dim, seed):
+@given(parents=trees, context=st.integers(1, 40), others=st.integers(0, 3), seed=st.integers(0, 2**16))
+def test_tree_attention_row_equals_plain_decoding_of_its_path(parents, context, others, seed):
     # Every tree row, on any branch and next to other requests, gets bitwise what plain decoding of its own path
     # gets: attention over the context and its ancestors laid out contiguously, alone in the batch. Long trees
-    # split into several kernel tasks; 64 is SmolLM2's head_dim (the kernel is compiled per head_dim).
+    # split into several kernel tasks. The kernel is compiled per head_dim (each ~16 s): these tests use SmolLM2's
+    # 64, and the vector-width test a head_dim of 40, whose last value tile is part padding.
     rng = np.random.default_rng(seed)
-    heads, kv_heads = 6, 2
+    heads, kv_heads, dim = 6, 2, 64
     _, _, k_bits, v_bits = _paged(rng, kv_heads, 512, dim)
     n = len(parents) + 1
     pool = rng.permutation(512)
@@ -177,22 +228,18 @@ _OUTPUTS_AT_A_WIDTH = textwrap.dedent("""
 """)
 
 
-def test_outputs_do_not_depend_on_the_vector_width(tmp_path, monkeypatch):
+def test_outputs_do_not_depend_on_the_vector_width(tmp_path, monkeypatch, kernel_runs):
     # The micro-kernel works in 8- or 16-float vectors (AVX2 / AVX-512, `VECTOR_FLOATS`); every output is the same
     # chain of fused multiply-adds either way, so the bits are the same (LLVM splits 16-float vectors into two on
     # AVX2, so both widths run on any x86 CPU). The width is fixed at import: this process computes at its own,
-    # a subprocess at the other, which compiles every kernel afresh (the on-disk cache is off there).
-    from trt_engines.cpu_kernels import VECTOR_FLOATS
-
+    # a subprocess (`kernel_runs`) at the other, which compiles every kernel afresh (the on-disk cache is off there).
     script = tmp_path / "outputs.py"
     script.write_text(_OUTPUTS_AT_A_WIDTH)
-    here, other = tmp_path / "here.npz", tmp_path / "other.npz"
+    here = tmp_path / "here.npz"
     monkeypatch.setattr(sys, "argv", [str(script), str(here)])
     runpy.run_path(str(script), run_name="__main__")
-    env = {**os.environ, "RETROSPEC_CPU_VECTOR_FLOATS": "16" if VECTOR_FLOATS == 8 else "8"}
-    subprocess.run([sys.executable, "-c", _OUTPUTS_AT_A_WIDTH, str(other)], env=env, check=True,
-                   cwd=Path(__file__).resolve().parents[1], timeout=600)
-    results = [np.load(here), np.load(other)]
+    kernel_runs["other_width"].output()
+    results = [np.load(here), np.load(kernel_runs["folder"] / "other.npz")]
     assert sorted(int(r["width"]) for r in results) == [8, 16]
     names = [n for n in results[0].files if n != "width"]
     assert len(names) == 5
@@ -203,7 +250,7 @@ def test_outputs_do_not_depend_on_the_vector_width(tmp_path, monkeypatch):
 def test_a_bad_vector_width_override_is_refused():
     env = {**os.environ, "RETROSPEC_CPU_VECTOR_FLOATS": "12"}
     done = subprocess.run([sys.executable, "-c", "import trt_engines.cpu_kernels"], env=env, capture_output=True,
-                          text=True, cwd=Path(__file__).resolve().parents[1], timeout=300)
+                          text=True, cwd=REPO, timeout=300)
     assert done.returncode != 0 and "RETROSPEC_CPU_VECTOR_FLOATS must be 8 or 16; got '12'" in done.stderr
 
 
@@ -278,20 +325,14 @@ _DECODE_BITS = textwrap.dedent("""
 """)
 
 
-def test_a_process_that_compiles_the_kernels_and_one_that_loads_them_from_numbas_cache_agree(tmp_path):
+def test_a_process_that_compiles_the_kernels_and_one_that_loads_them_from_numbas_cache_agree(kernel_runs):
     # numba caches compiled kernels on disk. Under fast-math `reassoc` the attention kernel loaded from that cache
     # added its scores in another order than the copy its compiling process ran, so bf16 texts depended on whether
     # a process found the cache (the first run after an install decoded other texts than the next). The kernels now
-    # spell out every order (`_dot_products_2x4`): the first subprocess compiles them into an empty cache, the
-    # second loads them, and both must give bitwise the same logits.
-    env = {k: v for k, v in os.environ.items() if k != "RETROSPEC_CPU_VECTOR_FLOATS"}  # which turns the cache off
-    env["NUMBA_CACHE_DIR"] = str(tmp_path)
-    runs = []
-    for _ in range(2):
-        done = subprocess.run([sys.executable, "-c", _DECODE_BITS], env=env, capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parents[1], timeout=900)
-        assert done.returncode == 0, done.stderr[-3000:]
-        runs.append(done.stdout.strip().splitlines()[-1])
-        if len(runs) == 1:  # the second run has the compiled attention kernel to load
-            assert list(tmp_path.rglob("*_tree_attention_kernel*.nbi")), "the first run cached no attention kernel"
-    assert runs[0] == runs[1]
+    # spell out every order (`_dot_products_2x4`): the first subprocess (`kernel_runs`) compiles them into an empty
+    # cache, the second loads them, and both must give bitwise the same logits.
+    compiled = _digest(kernel_runs["compiling"].output())
+    cache = kernel_runs["folder"] / "numba_cache"
+    assert list(cache.rglob("*_tree_attention_kernel*.nbi")), "the first run cached no attention kernel"
+    loading = _Run(_DECODE_BITS, [], kernel_runs["cache_env"], kernel_runs["folder"] / "loading.log")
+    assert _digest(loading.output()) == compiled
