@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -74,6 +75,7 @@ def serve_main(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
     if not (args.triton or args.http):
         parser.error("choose a front end: --triton, --http or both")
+    from datastore.errors import DatastoreError
     from orchestrator.serving.stack import ServingStack
 
     try:
@@ -87,7 +89,11 @@ def serve_main(argv: Sequence[str]) -> int:
         steps.append("fitting the step-time model")
     print(", ".join(steps) + " (a first run also compiles numba's kernels)...", flush=True)
     started = time.monotonic()
-    stack = ServingStack.build(config)
+    try:
+        stack = ServingStack.build(config)
+    except (DatastoreError, FileNotFoundError) as exc:  # a wrong path: the message names it and the fix
+        print(f"retrospec serve: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     engine = stack.engine
     print(f"ready in {time.monotonic() - started:.0f} s: policy {config.policy}, {engine.total_blocks()} KV blocks "
           f"({engine.max_context}-token context), hardware {stack.orchestrator.budget.step_model.hardware.name}",

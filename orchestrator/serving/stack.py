@@ -77,6 +77,8 @@ class ServingConfig:
             raise ValueError(f"draft_timeout_s must be > 0 (or None: no timeout); got {self.draft_timeout_s}")
         check_micro_batches(self.micro_batches)
         check_prefill_chunk(self.prefill_chunk)
+        if self.hardware not in ("measure", "nominal"):
+            hardware(self.hardware)  # an unknown name or a bad profile is refused here, not after loading the model
 
 
 class MeteredOrchestrator(Orchestrator):
@@ -124,16 +126,19 @@ class ServingStack:
         def build_orchestrator() -> MeteredOrchestrator:
             # On the runner thread, which runs every parallel kernel of the server (`orchestrator.runner` docstring),
             # from resolving the model folder to the step-model fit (start-up in one place; resolving runs no kernel).
+            # The model folder and the datastores are found and opened first (file reads and mmaps): a wrong path
+            # is refused in a moment, not after the model has loaded and its kernels compiled.
             if config.torch_threads:
                 torch.set_num_threads(config.torch_threads)
             model_dir = Path(resolve_model_dir(config.model))
             model_dirs.append(model_dir)
             tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-            engine = TorchEngine(config.model, dtype=getattr(torch, config.dtype), device=config.device,
+            datastores = open_datastores(config)
+            engine = TorchEngine(model_dir, dtype=getattr(torch, config.dtype), device=config.device,
                                  num_blocks=config.num_blocks, block_size=config.block_size,
                                  max_context=config.max_context, cpu_kernels=config.cpu_kernels,
                                  prefix_caching=config.prefix_caching)
-            drafter = make_drafter(config)
+            drafter = make_drafter(config, datastores)
             shape = ModelShape.from_config(model_dir)
             if config.hardware == "measure":
                 from orchestrator.profiling import measure_hardware
@@ -283,16 +288,23 @@ class ServingStack:
         self.runner.shutdown(cancel_inflight=cancel_inflight, timeout=timeout)
 
 
-def make_drafter(config: ServingConfig):
-    """A drafter over the configured datastores (each call builds its own index state; datastores are mmapped)."""
+def open_datastores(config: ServingConfig) -> list:
+    """The configured datastores, opened (mmapped): `DatastoreError` names a missing or broken one."""
     from datastore import Datastore
-    from drafter.drafter import Drafter, DrafterConfig
 
     paths = config.datastores
     if paths is None:
         default = default_datastore_dir()
         paths = (str(default),) if (default / "manifest.json").is_file() else ()
-    stores = [Datastore.open(p) for p in paths]
+    return [Datastore.open(p) for p in paths]
+
+
+def make_drafter(config: ServingConfig, datastores: list | None = None):
+    """A drafter over the configured datastores (`open_datastores`, unless given already open). Each call builds
+    its own index state; the datastores' arrays are mmapped, so drafters share them."""
+    from drafter.drafter import Drafter, DrafterConfig
+
+    stores = open_datastores(config) if datastores is None else datastores
     return Drafter(DrafterConfig(sources="fused" if stores else "input"), datastores=stores)
 
 
