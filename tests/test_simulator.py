@@ -168,7 +168,7 @@ def test_trace_arrivals_from_csv(tmp_path):
         trace_arrivals(tmp_path / "missing.csv", 2)
 
 
-def test_cli_errors_name_the_fix(capsys):
+def test_cli_errors_name_the_fix(capsys, tmp_path):
     with pytest.raises(SystemExit):
         simulate_main(["--model", "llama-9000"])
     assert "unknown model 'llama-9000'" in capsys.readouterr().err
@@ -182,6 +182,11 @@ def test_cli_errors_name_the_fix(capsys):
     with pytest.raises(SystemExit):
         simulate_main(["--micro-batches", "2", "--host-time", "measured"])
     assert "needs --host-time draft, plan or none" in capsys.readouterr().err
+    # an arrival trace that is not there: refused with the other bad options, before anything is simulated
+    with pytest.raises(SystemExit):
+        simulate_main(["--trace", str(tmp_path / "missing.csv"), "--prompts", "2"])
+    err = capsys.readouterr().err
+    assert "missing.csv: cannot read the arrival trace" in err and "Traceback" not in err
 
 
 def test_split_batches_reproduce_the_trajectories_and_hide_drafting(eval_trajectories, drafter):

@@ -370,17 +370,17 @@ def main(argv: list[str] | None = None) -> int:
         check_prefill_chunk(args.prefill_chunk)
         deployment.step_model().predict(np.ones(1), np.zeros(1))  # fails fast on a dtype the device lacks
         trajectories = load_prompt_trajectories(args.sets, args.prompts)
+        n = len(trajectories)
+        traced = None if not args.trace else trace_arrivals(args.trace, n)  # read before any simulation runs
     except (ValueError, FileNotFoundError) as exc:
         parser.error(str(exc))
-    n = len(trajectories)
     workloads = [(f"closed c={c}", Workload(tuple(trajectories), args.max_tokens, tuple(closed_loop_arrivals(n)), c))
                  for c in args.concurrency]
     workloads += [(f"poisson {r}/s", Workload(tuple(trajectories), args.max_tokens, tuple(poisson_arrivals(n, r)),
                                               args.max_running)) for r in args.rates]
     if args.trace:
         workloads.append((f"trace {Path(args.trace).name}",
-                          Workload(tuple(trajectories), args.max_tokens, tuple(trace_arrivals(args.trace, n)),
-                                   args.max_running)))
+                          Workload(tuple(trajectories), args.max_tokens, tuple(traced), args.max_running)))
     drafter = default_drafter()
     rows = []
     print(f"{args.model} tp={args.tp} on {deployment.hardware.name}, {n} requests from {', '.join(args.sets)}, "
