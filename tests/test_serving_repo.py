@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+from datastore import build_from_token_docs
 from orchestrator.cli import main as cli_main
 from orchestrator.serving.stack import ServingConfig
 from orchestrator.serving.triton_repo import DRAFT_INPUTS, DRAFT_OUTPUTS, GENERATE_INPUTS, GENERATE_OUTPUTS
@@ -19,9 +20,17 @@ def _parameters(pbtxt: str) -> dict[str, str]:
                                                     pbtxt)}
 
 
-def test_export_writes_a_complete_repository_that_compiles(tmp_path, capsys):
+needs_model = pytest.mark.skipif(not is_complete(default_model_dir()), reason="default model not prepared")
+
+
+@needs_model
+def test_export_writes_a_complete_repository_that_compiles(tmp_path, capsys, monkeypatch):
+    # the datastore is given relative to this directory: tritonserver may start in another one, so the
+    # repository must hold its absolute path
+    build_from_token_docs([[1, 2, 3, 4], [2, 3, 5]], tmp_path / "ds", vocab_size=8)
+    monkeypatch.chdir(tmp_path)
     assert cli_main(["export-triton-repo", str(tmp_path / "repo"), "--policy", "fixed:8", "--num-blocks", "64",
-                     "--hardware", "nominal", "--no-fit", "--datastore", "/data/ds"]) == 0
+                     "--hardware", "nominal", "--no-fit", "--datastore", "ds"]) == 0
     printed = capsys.readouterr().out.split()
     repo = tmp_path / "repo"
     for name, inputs, outputs, decoupled in (("retrospec_generate", GENERATE_INPUTS, GENERATE_OUTPUTS, True),
@@ -34,7 +43,8 @@ def test_export_writes_a_complete_repository_that_compiles(tmp_path, capsys):
         assert config.count("{") == config.count("}")
         params = _parameters(config)
         serving = ServingConfig(**json.loads(params["serving_config"]))
-        assert (serving.policy, serving.num_blocks, tuple(serving.datastores)) == ("fixed:8", 64, ("/data/ds",))
+        want = ("fixed:8", 64, (str((tmp_path / "ds").resolve()),))
+        assert (serving.policy, serving.num_blocks, tuple(serving.datastores)) == want
         assert any((p.rstrip("/") + "/orchestrator").endswith("orchestrator") for p in json.loads(params["python_path"]))
         model = repo / name / "1" / "model.py"
         py_compile.compile(str(model), doraise=True)
@@ -48,7 +58,19 @@ def test_export_rejects_a_bad_policy_with_a_clear_message(tmp_path, capsys):
     assert not (tmp_path / "repo").exists()
 
 
-@pytest.mark.skipif(not is_complete(default_model_dir()), reason="default model not prepared")
+@pytest.mark.parametrize("wrong", ["datastore", "model"])
+def test_export_refuses_a_path_that_is_not_there_and_writes_nothing(tmp_path, capsys, wrong):
+    # the server would load the repository and fail there, far from the typo: the export names the path instead
+    path = tmp_path / "not_there"
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["export-triton-repo", str(tmp_path / "repo"), "--hardware", "nominal",
+                  "--datastore" if wrong == "datastore" else "--model", str(path)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and f"{path}: no" in err and "Traceback" not in err
+    assert not (tmp_path / "repo").exists()
+
+
+@needs_model
 def test_exported_repository_serves_in_the_bundled_stock_tritonserver(tmp_path):
     """The exported model.py files load in a plain tritonserver (not pytriton) and answer both models."""
     import queue

@@ -21,6 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from datastore import build_from_token_docs
 from drafter.drafter import Drafter, DrafterConfig
 from drafter.tree import DraftTree
 from drafter.trtllm_drafter import (
@@ -499,8 +500,9 @@ def test_export_tensorrtllm_repository_renders_from_the_engine_folder(tmp_path, 
     pytest.importorskip("tritonclient.grpc")
     engine = _engine_folder(tmp_path / "engine", max_draft_len=6, max_seq_len=1024, eos=(2,))
     repo = tmp_path / "repo"
+    datastore = build_from_token_docs([[1, 2, 3, 4], [2, 3, 5]], tmp_path / "ds", vocab_size=8)
     assert cli_main(["export-triton-repo", "--tensorrtllm", str(repo), "--engine-dir", str(engine),
-                     "--datastore", "/data/ds", "--draft-budget", "12"]) == 0
+                     "--datastore", str(datastore), "--draft-budget", "12"]) == 0
     printed = capsys.readouterr().out.split()
     target = _model_config(repo / "tensorrt_llm" / "config.pbtxt")
     assert target.backend == "tensorrtllm" and target.max_batch_size == 4 and not target.model_transaction_policy.decoupled
@@ -519,7 +521,7 @@ def test_export_tensorrtllm_repository_renders_from_the_engine_folder(tmp_path, 
     assert bls.instance_group[0].count == 4  # one BLS instance per engine batch slot
     draft = _model_config(repo / "retrospec_draft" / "config.pbtxt")
     serving = json.loads({k: v.string_value for k, v in draft.parameters.items()}["serving_config"])
-    assert serving["datastores"] == ["/data/ds"]
+    assert serving["datastores"] == [str(datastore.resolve())]
     for name in ("retrospec_spec_bls", "retrospec_draft"):
         model = repo / name / "1" / "model.py"
         py_compile.compile(str(model), doraise=True)

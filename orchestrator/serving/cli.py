@@ -144,9 +144,9 @@ def export_main(argv: Sequence[str]) -> int:
     from orchestrator.serving.triton_repo import export_repository
 
     try:
-        config = _config(args)
-    except ValueError as exc:
+        written = export_repository(args.dir, _config(args))
+    except (ValueError, FileNotFoundError) as exc:  # a bad option, or a path that is not there (DatastoreError)
         parser.error(str(exc))
-    for path in export_repository(args.dir, config):
+    for path in written:
         print(path)
     return 0

@@ -22,7 +22,7 @@ import site
 import sysconfig
 from pathlib import Path
 
-from orchestrator.serving.stack import ServingConfig
+from orchestrator.serving.stack import ServingConfig, open_datastores
 
 TEMPLATES = Path(__file__).parent / "templates"
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,8 +66,30 @@ def render_config(name: str, inputs, outputs, *, decoupled: bool, parameters: di
     return "\n".join(lines) + "\n"
 
 
+def checked_for_the_server(config: ServingConfig, *, model: bool = True) -> ServingConfig:
+    """`config` as tritonserver's model processes will read it: its paths (datastores, a model folder, a hardware
+    profile) made absolute, since the server may start in another working directory, and each checked now, so that
+    a wrong one is refused at export (`DatastoreError`, `FileNotFoundError`) rather than when the server loads the
+    model. `model=False`: the model is not checked (the TensorRT-LLM repository's target is its engine)."""
+    from trt_engines.prepare import resolve_model_dir
+
+    absolute = {}
+    if config.datastores is not None:
+        absolute["datastores"] = tuple(str(Path(p).expanduser().resolve()) for p in config.datastores)
+    if model and config.model != "default":
+        absolute["model"] = str(resolve_model_dir(config.model).resolve())
+    if config.hardware not in ("measure", "nominal") and Path(config.hardware).is_file():
+        absolute["hardware"] = str(Path(config.hardware).resolve())
+    config = dataclasses.replace(config, **absolute)
+    if model:
+        resolve_model_dir(config.model)
+    open_datastores(config)
+    return config
+
+
 def export_repository(directory: str | Path, config: ServingConfig = ServingConfig()) -> list[Path]:
-    """Write the repository; returns the files written."""
+    """Write the repository; returns the files written. `config`'s paths must exist here (`checked_for_the_server`)."""
+    config = checked_for_the_server(config)
     directory = Path(directory)
     paths = [str(ROOT), *site.getsitepackages(), sysconfig.get_paths()["purelib"]]
     params = {"serving_config": json.dumps(dataclasses.asdict(config)),
@@ -185,7 +207,7 @@ def export_tensorrtllm_repository(directory: str | Path, engine_dir: str | Path,
     instances let that many requests run at once, so the tensorrtllm model can batch their steps in flight."""
     from trt_engines.trtllm_build import read_engine_config
 
-    config = config or ServingConfig(hardware="nominal", fit_step_model=False)
+    config = checked_for_the_server(config or ServingConfig(hardware="nominal", fit_step_model=False), model=False)
     engine = read_engine_config(engine_dir)
     end_id = end_id if end_id is not None else (engine.eos_token_ids[0] if engine.eos_token_ids else None)
     if end_id is None:
@@ -260,7 +282,7 @@ def export_tensorrtllm_main(argv) -> int:
             kv_cache_free_gpu_mem_fraction=args.kv_cache_free_gpu_mem_fraction,
             max_queue_delay_us=args.max_queue_delay_us, batch_scheduler_policy=args.batch_scheduler_policy,
             bls_instances=args.bls_instances)
-    except ValueError as exc:
+    except (ValueError, FileNotFoundError) as exc:  # DatastoreError is a ValueError
         parser.error(str(exc))
     for path in written:
         print(path)
