@@ -70,3 +70,24 @@ def test_serving_stack_builds_on_its_runner_thread_and_measures_only_its_own_dty
         assert hardware.name.startswith("measured:") and set(hardware.peak_flops) == {"float32"}
     finally:
         stack.shutdown()
+
+
+def test_profile_hardware_refuses_bad_options_before_measuring(tmp_path, capsys):
+    import torch
+
+    from tools.profile_hardware import main
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--out", str(blocker / "hw.json")])  # its folder would have to be inside a file
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and f"--out {blocker / 'hw.json'}: cannot create its folder" in err
+    with pytest.raises(SystemExit):
+        main(["--device", "gpu", "--out", str(tmp_path / "hw.json")])
+    assert "invalid choice: 'gpu'" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            main(["--device", "cuda", "--out", str(tmp_path / "hw.json")])
+        assert "PyTorch sees no CUDA device here" in capsys.readouterr().err
+    assert not (tmp_path / "hw.json").exists()
