@@ -116,6 +116,8 @@ class Orchestrator:
         self.drafter = drafter
         self.budget = budget
         self.tokenizer = tokenizer  # needed only for text output and stop strings
+        if isinstance(max_running, bool) or not isinstance(max_running, int) or max_running < 1:
+            raise ValueError(f"max_running must be an int >= 1 (requests running at once); got {max_running!r}")
         self.max_running = max_running
         self.clock = clock  # request timestamps (TTFT, latency); the simulator passes its event clock
         self.waiting: deque[tuple[str, GenerationRequest, OutputCallback | None]] = deque()

@@ -244,6 +244,17 @@ def test_bad_micro_batches_are_refused_by_name(engine, datastore, bad):
         ServingConfig(micro_batches=bad)
 
 
+@pytest.mark.parametrize("bad", [0, -2, 2.5, True])
+def test_a_max_running_that_admits_nothing_is_refused(engine, datastore, bad):
+    # max_running 0 admitted no request ever: every submitted request waited forever
+    from orchestrator.serving.stack import ServingConfig
+
+    with pytest.raises(ValueError, match="max_running must be an int >= 1"):
+        make_orchestrator(engine, datastore, "goodput", max_running=bad)
+    with pytest.raises(ValueError, match="max_running must be an int >= 1"):
+        ServingConfig(max_running=bad)
+
+
 def test_pipelining_pays_only_where_hidden_drafting_outweighs_splitting_the_batch():
     # Llama-3.1-8B on an H100. 16 plain requests: a step streams 16 GB of weights (~5 ms), so splitting them costs
     # nearly one more step, and pays only once drafting them takes longer than that. 64 requests of 16 tokens: the

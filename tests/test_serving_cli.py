@@ -101,6 +101,9 @@ def test_serve_both_front_ends_then_graceful_sigterm(tmp_path):
     (["--micro-batches", "0"], "micro_batches must be an int >= 1"),
     (["--micro-batches", "two"], "invalid int value: 'two'"),
     (["--hardware", "H999"], "unknown hardware 'H999': use one of H100-SXM"),
+    (["--max-running", "0"], "max_running must be an int >= 1; got 0"),
+    (["--num-blocks", "0"], "num_blocks must be an int >= 1 (or None); got 0"),
+    (["--model-name="], "model_name must not be empty"),
 ])
 def test_serve_refuses_bad_options_before_starting_anything(capsys, argv, message):
     from orchestrator.serving.cli import serve_main
@@ -133,3 +136,16 @@ def test_serve_refuses_a_wrong_path_in_one_line_before_loading_the_model(tmp_pat
     want = ("no such datastore directory; build one with `build-datastore`" if wrong == "datastore" else
             "not a model folder (no config.json); pass a Hugging Face folder or `default`")
     assert err.startswith(f"retrospec serve: error: {path}") and want in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("option, message", [
+    (["--max-context", "100000"], "max_context must lie in [2, 8192] (the model's max_position_embeddings)"),
+    (["--dtype", "float16", "--device", "cpu"], "hardware 'nominal-cpu' has no peak FLOP/s for dtype 'float16'"),
+])
+def test_serve_refuses_options_the_model_or_hardware_cannot_take_in_one_line(capsys, option, message):
+    # known only once the model's config or the hardware profile is read (at start-up), and still a user's error
+    from orchestrator.cli import main
+
+    assert main(["serve", "--http", "--hardware", "nominal", "--no-fit", *option]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("retrospec serve: error: ") and message in err and "Traceback" not in err

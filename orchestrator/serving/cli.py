@@ -75,7 +75,6 @@ def serve_main(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
     if not (args.triton or args.http):
         parser.error("choose a front end: --triton, --http or both")
-    from datastore.errors import DatastoreError
     from orchestrator.serving.stack import ServingStack
 
     try:
@@ -91,7 +90,10 @@ def serve_main(argv: Sequence[str]) -> int:
     started = time.monotonic()
     try:
         stack = ServingStack.build(config)
-    except (DatastoreError, FileNotFoundError) as exc:  # a wrong path: the message names it and the fix
+    except (ValueError, FileNotFoundError) as exc:
+        # a path that is not there (DatastoreError is a ValueError), or options the model or the hardware profile
+        # cannot take (--max-context past the model's positions, a dtype the profile has no FLOP/s for): the
+        # message names it and the fix
         print(f"retrospec serve: error: {exc}", file=sys.stderr, flush=True)
         return 2
     engine = stack.engine

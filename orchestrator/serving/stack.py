@@ -66,6 +66,16 @@ class ServingConfig:
 
     def __post_init__(self) -> None:
         BudgetPolicy.parse(self.policy)  # raises a clear ValueError on a typo
+        if not self.model_name:
+            raise ValueError("model_name must not be empty (clients send it as the OpenAI `model`)")
+        for name, least, optional in (("num_blocks", 1, True), ("block_size", 1, False), ("max_context", 2, True),
+                                      ("max_running", 1, False), ("max_nodes_per_request", 1, False),
+                                      ("torch_threads", 1, True)):
+            value = getattr(self, name)
+            if value is None and optional:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an int >= {least}{' (or None)' if optional else ''}; got {value!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16; got {self.dtype!r}")
         check_cpu_kernels(self.cpu_kernels)
