@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import shlex
 import sys
 import time
@@ -440,20 +441,46 @@ def write_markdown(path: Path, result: dict) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def replace_groups(name: str, new: dict, *, command: str, note: str | None) -> dict:
-    """The results file `name` with the (set, cap) groups measured in `new` replaced (rows, per-group fits, bf16
-    divergences, generated outputs); its other groups, fp32 identity check and run-wide fits stay. For a group whose
-    first measurement overlapped other foreground work on this 2-core machine; the file records each replacement."""
+def group_shapes(rows: list[dict]) -> dict[tuple[str, int], list[tuple[str, int]]]:
+    """Per (set, cap) group of result rows, its sorted (policy, prompts) pairs."""
+    shapes: dict[tuple[str, int], list[tuple[str, int]]] = {}
+    for r in rows:
+        shapes.setdefault((r["set"], r["cap"]), []).append((r["policy"], r["prompts"]))
+    return {g: sorted(pairs) for g, pairs in sorted(shapes.items())}
+
+
+def planned_shapes(sets: list[str], caps: list[int], policies: list[str],
+                   prompts_per_cap) -> dict[tuple[str, int], list[tuple[str, int]]]:
+    """The (policy, prompts) pairs `run` will measure per group: `group_shapes` of its rows, before running it."""
+    shapes = {}
+    for set_name in sets:
+        trajectories = load_trajectories(trajectory_path(set_name, "eval"))
+        for cap in caps:
+            shapes[set_name, cap] = sorted((p, len(spread(trajectories, prompts_per_cap(cap)))) for p in policies)
+    return shapes
+
+
+def check_replaceable(name: str, shapes: dict[tuple[str, int], list[tuple[str, int]]], max_tokens: int,
+                      new: dict | None = None) -> dict:
+    """The results file `name`, if its groups `shapes` (`group_shapes`) can be replaced by a run with `max_tokens`
+    (and, once run, by the result `new`); else SystemExit naming what differs. `main` calls it before measuring
+    anything, `replace_groups` again with the result."""
     path, outputs_path = RESULTS / f"{name}.json", RESULTS / f"{name}_outputs.npz"
     if not path.is_file() or not outputs_path.is_file():
         raise SystemExit(f"--replace-groups: {path} or {outputs_path} is missing; run the whole benchmark first")
     old = json.loads(path.read_text())
-    groups = sorted({(r["set"], r["cap"]) for r in new["rows"]}, key=lambda g: (g[0], g[1]))
-    missing = [g for g in groups if not any((r["set"], r["cap"]) == g for r in old["rows"])]
+    measured = group_shapes(old["rows"])
+    missing = [g for g in shapes if g not in measured]
     if missing:
         raise SystemExit(f"--replace-groups: {path.name} has no rows for {missing}; replace only groups it measured")
-    if old.get("max_tokens") != new["max_tokens"]:
+    if old.get("max_tokens") != max_tokens:
         raise SystemExit(f"--replace-groups: {path.name} ran with --max-tokens {old.get('max_tokens')}; use the same")
+    for g, shape in shapes.items():  # the same policies and prompts, or the swapped rows would measure something else
+        if measured[g] != shape:
+            raise SystemExit(f"--replace-groups: {path.name} measured {g} with (policy, prompts) {measured[g]}; "
+                             f"this run uses {shape}: use the same --policies")
+    if new is None:
+        return old
     if old.get("prompt_sample", "first") != new.get("prompt_sample", "first"):
         raise SystemExit(f"--replace-groups: {path.name} took its prompts another way ({old.get('prompt_sample', 'first')}"
                          f" n of each set); rerun the whole benchmark")
@@ -463,14 +490,16 @@ def replace_groups(name: str, new: dict, *, command: str, note: str | None) -> d
     if _kernel_mode(old) != _kernel_mode(new):
         raise SystemExit(f"--replace-groups: {path.name} ran its engine with cpu_kernels {_kernel_mode(old)!r}; pass "
                          f"--cpu-kernels {_kernel_mode(old)}")
+    return old
 
-    def shape(result: dict, g: tuple) -> list:
-        return sorted((r["policy"], r["prompts"]) for r in result["rows"] if (r["set"], r["cap"]) == g)
 
-    for g in groups:  # the same policies and prompts, or the swapped rows would measure something else
-        if shape(old, g) != shape(new, g):
-            raise SystemExit(f"--replace-groups: {path.name} measured {g} with (policy, prompts) {shape(old, g)}; "
-                             f"this run used {shape(new, g)}: use the same --policies")
+def replace_groups(name: str, new: dict, *, command: str, note: str | None) -> dict:
+    """The results file `name` with the (set, cap) groups measured in `new` replaced (rows, per-group fits, bf16
+    divergences, generated outputs); its other groups, fp32 identity check and run-wide fits stay. For a group whose
+    first measurement overlapped other foreground work on this 2-core machine; the file records each replacement."""
+    old = check_replaceable(name, group_shapes(new["rows"]), new["max_tokens"], new)
+    outputs_path = RESULTS / f"{name}_outputs.npz"
+    groups = list(group_shapes(new["rows"]))
 
     def swap(old_items: list[dict], new_items: list[dict]) -> list[dict]:  # keeps the original order of groups
         out, done = [], set()
@@ -577,11 +606,25 @@ def main(argv: list[str] | None = None) -> int:
         # up the others then buys almost nothing, and every policy that speculates on them looked worse than it is.
         # At least 16, so that a small-cap row does not rest on a handful of prompts.
         prompts_per_cap = lambda cap: max(2 * cap, 16)  # noqa: E731
+    # Everything a run of tens of minutes could trip over at its end is checked before it starts.
     for policy in args.policies:
-        BudgetPolicy.parse(policy)  # fail fast on a typo
+        try:
+            BudgetPolicy.parse(policy)
+        except ValueError as exc:
+            parser.error(f"--policies: {exc}")
     repeated = sorted({p for p in args.policies if args.policies.count(p) > 1})
     if repeated:  # one row per policy: a second run of the same policy would be dropped, not compared
         parser.error(f"--policies lists {', '.join(repeated)} more than once; for repeats use --rounds")
+    for option, values, least in (("--caps", args.caps, 1), ("--max-tokens", [args.max_tokens], 1),
+                                  ("--rounds", [args.rounds], 1), ("--identity-prompts", [args.identity_prompts], 0)):
+        if min(values) < least:
+            parser.error(f"{option} must be >= {least}; got {min(values)}")
+    if args.name is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", args.name):
+        parser.error(f"--name {args.name!r}: a file name in benchmarks/results (letters, digits, '_', '.', '-')")
+    name = args.name or ("throughput_quick" if args.quick else "throughput")
+    if args.replace_groups:
+        check_replaceable(name, planned_shapes(args.sets, args.caps, args.policies, prompts_per_cap),
+                          args.max_tokens)
     started = time.perf_counter()
     result = run(args.sets, args.caps, args.policies, prompts_per_cap=prompts_per_cap, max_tokens=args.max_tokens,
                  identity_prompts=0 if args.replace_groups else args.identity_prompts, rounds=args.rounds,
@@ -589,7 +632,6 @@ def main(argv: list[str] | None = None) -> int:
     command = recorded_command(argv if argv is not None else sys.argv[1:])
     result["max_tokens"] = args.max_tokens
     result["seconds"] = round(time.perf_counter() - started, 1)
-    name = args.name or ("throughput_quick" if args.quick else "throughput")
     if args.replace_groups:
         result = replace_groups(name, result, command=command, note=args.note)
         markdown = save_results(name, result, write_markdown)
