@@ -22,6 +22,7 @@ import json
 import os
 import platform
 import queue
+import re
 import sys
 import threading
 import time
@@ -185,6 +186,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if len(args.requests) != len(args.rates):
         parser.error("give one --requests count per rate")
+    # refused here, not after the server has started or the run has finished
+    if min(args.rates) <= 0:
+        parser.error(f"--rates must be > 0 requests per second; got {min(args.rates)}")
+    if min(args.requests) < 1 or args.max_tokens < 1:
+        parser.error(f"--requests and --max-tokens must be >= 1; got {min(args.requests)} and {args.max_tokens}")
+    if args.tpot_ms <= 0:
+        parser.error(f"--tpot-ms must be > 0; got {args.tpot_ms}")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", args.out):
+        parser.error(f"--out {args.out!r}: a file name in benchmarks/results (letters, digits, '_', '.', '-')")
 
     config = ServingConfig(policy="goodput", max_context=2048, num_blocks=1024, max_running=32, hardware="measure",
                            dtype=args.dtype)

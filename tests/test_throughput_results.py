@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from benchmarks import throughput
+from tests.test_benchmark_options import refused_before_running
 from tools.trajectories import spread
 
 
@@ -107,31 +108,6 @@ def test_a_policy_listed_twice_is_refused_before_anything_runs(policies, tmp_pat
     assert not list(tmp_path.iterdir())
 
 
-def _refused_before_running(monkeypatch, argv: list[str]) -> str:
-    """The error `main(argv)` exits with (argparse's exit status 2, or a SystemExit message)."""
-    def run(*args, **kwargs):
-        raise AssertionError("the benchmark started measuring")
-
-    monkeypatch.setattr(throughput, "run", run)  # a tripwire: each case must be refused before `run`
-    with pytest.raises(SystemExit) as exit_info:
-        throughput.main(argv)
-    assert exit_info.value.code not in (0, None)
-    return str(exit_info.value.code)
-
-
-@pytest.mark.parametrize("argv, message", [
-    (["--caps", "1", "0"], "--caps must be >= 1; got 0"),
-    (["--max-tokens", "0"], "--max-tokens must be >= 1; got 0"),
-    (["--rounds", "0"], "--rounds must be >= 1; got 0"),
-    (["--identity-prompts", "-1"], "--identity-prompts must be >= 0; got -1"),
-    (["--policies", "none", "fixed:0"], "--policies: policy 'fixed:0': `fixed:B` needs a whole number of nodes"),
-    (["--name", "../elsewhere"], "--name '../elsewhere': a file name in benchmarks/results"),
-])
-def test_bad_options_are_refused_before_measuring(monkeypatch, capsys, argv, message):
-    _refused_before_running(monkeypatch, argv)
-    assert message in capsys.readouterr().err
-
-
 def test_a_replacement_the_file_cannot_take_is_refused_before_measuring(tmp_path, monkeypatch):
     # --replace-groups checks the results file when it starts, not after tens of minutes of measuring
     monkeypatch.setattr(throughput, "RESULTS", tmp_path)
@@ -141,5 +117,7 @@ def test_a_replacement_the_file_cannot_take_is_refused_before_measuring(tmp_path
     before = (tmp_path / "throughput.json").read_text()
     for argv, message in ((["--caps", "4"], "no rows for"), (["--caps", "1", "--max-tokens", "64"], "max-tokens"),
                           (["--caps", "1", "--policies", "none", "goodput"], "same --policies")):
-        assert message in _refused_before_running(monkeypatch, ["--sets", "mtbench", "--replace-groups", *argv])
+        refused = refused_before_running(monkeypatch, throughput, "run", throughput.main,
+                                         ["--sets", "mtbench", "--replace-groups", *argv])
+        assert message in refused
     assert (tmp_path / "throughput.json").read_text() == before

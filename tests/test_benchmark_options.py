@@ -1,0 +1,47 @@
+"""The long benchmarks refuse bad options when they start, before they load a model or measure anything: a run of
+tens of minutes must not trip over them at its end."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import serving, throughput
+
+
+def refused_before_running(monkeypatch, owner, measuring: str, main, argv: list[str]) -> str:
+    """The error `main(argv)` exits with (argparse's status 2, or a SystemExit message), where `owner.measuring`,
+    the first step that measures, is a tripwire that fails the test if it is reached."""
+    def tripwire(*args, **kwargs):
+        raise AssertionError(f"{measuring} ran: the benchmark started measuring")
+
+    monkeypatch.setattr(owner, measuring, tripwire)
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code not in (0, None)
+    return str(exit_info.value.code)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--caps", "1", "0"], "--caps must be >= 1; got 0"),
+    (["--max-tokens", "0"], "--max-tokens must be >= 1; got 0"),
+    (["--rounds", "0"], "--rounds must be >= 1; got 0"),
+    (["--identity-prompts", "-1"], "--identity-prompts must be >= 0; got -1"),
+    (["--policies", "none", "fixed:0"], "--policies: policy 'fixed:0': `fixed:B` needs a whole number of nodes"),
+    (["--name", "../elsewhere"], "--name '../elsewhere': a file name in benchmarks/results"),
+])
+def test_throughput_refuses_bad_options_before_measuring(monkeypatch, capsys, argv, message):
+    refused_before_running(monkeypatch, throughput, "run", throughput.main, argv)
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rates", "0.5", "0", "--requests", "4", "4"], "--rates must be > 0 requests per second; got 0.0"),
+    (["--rates", "0.5", "--requests", "0"], "--requests and --max-tokens must be >= 1; got 0 and 128"),
+    (["--rates", "1", "--requests", "8", "--max-tokens", "0"], "--requests and --max-tokens must be >= 1; got 8 and 0"),
+    (["--tpot-ms", "-5"], "--tpot-ms must be > 0; got -5.0"),
+    (["--out", "/tmp/x"], "--out '/tmp/x': a file name in benchmarks/results"),
+    (["--rates", "0.5"], "give one --requests count per rate"),
+])
+def test_serving_refuses_bad_options_before_starting_the_server(monkeypatch, capsys, argv, message):
+    refused_before_running(monkeypatch, serving.ServingStack, "build", serving.main, argv)
+    assert message in capsys.readouterr().err
