@@ -53,7 +53,8 @@ def _digest(log: str) -> str:
 def kernel_runs(tmp_path_factory):
     """This module's two runs in fresh processes, both started when the module's first test starts. Each compiles
     every kernel it uses afresh (~50 s on one core: numba compiles single-threaded), so they run beside this
-    process's own tests, which compile theirs, rather than one after another (`make test`'s budget)."""
+    process's own tests, which compile theirs, rather than one after another (`make test`'s budget). A run of a
+    single test of this module starts them too, and stops them when the module ends."""
     folder = tmp_path_factory.mktemp("kernel_runs")
     # other width: the vector-width test's other half; the override turns numba's on-disk cache off there
     other_width = {**os.environ, "RETROSPEC_CPU_VECTOR_FLOATS": "16" if VECTOR_FLOATS == 8 else "8"}
