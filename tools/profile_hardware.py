@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--out", required=True, help="the profile JSON to write (its folder is created)")
     args = parser.parse_args(argv)
-    # refused before the minute of measuring, not after it
+    # refused before measuring, not after it
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: PyTorch sees no CUDA device here (a CPU-only build, or no GPU); profile the "
                      "CPU with --device cpu")
