@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import py_compile
 import re
 
@@ -25,12 +26,13 @@ needs_model = pytest.mark.skipif(not is_complete(default_model_dir()), reason="d
 
 @needs_model
 def test_export_writes_a_complete_repository_that_compiles(tmp_path, capsys, monkeypatch):
-    # the datastore is given relative to this directory: tritonserver may start in another one, so the
-    # repository must hold its absolute path
+    # the datastore and the model folder are given relative to this directory: tritonserver may start in another
+    # one, so the repository must hold their absolute paths
     build_from_token_docs([[1, 2, 3, 4], [2, 3, 5]], tmp_path / "ds", vocab_size=8)
     monkeypatch.chdir(tmp_path)
+    model = os.path.relpath(default_model_dir(), tmp_path)
     assert cli_main(["export-triton-repo", str(tmp_path / "repo"), "--policy", "fixed:8", "--num-blocks", "64",
-                     "--hardware", "nominal", "--no-fit", "--datastore", "ds"]) == 0
+                     "--hardware", "nominal", "--no-fit", "--datastore", "ds", "--model", model]) == 0
     printed = capsys.readouterr().out.split()
     repo = tmp_path / "repo"
     for name, inputs, outputs, decoupled in (("retrospec_generate", GENERATE_INPUTS, GENERATE_OUTPUTS, True),
@@ -43,8 +45,8 @@ def test_export_writes_a_complete_repository_that_compiles(tmp_path, capsys, mon
         assert config.count("{") == config.count("}")
         params = _parameters(config)
         serving = ServingConfig(**json.loads(params["serving_config"]))
-        want = ("fixed:8", 64, (str((tmp_path / "ds").resolve()),))
-        assert (serving.policy, serving.num_blocks, tuple(serving.datastores)) == want
+        want = ("fixed:8", 64, (str((tmp_path / "ds").resolve()),), str(default_model_dir().resolve()))
+        assert (serving.policy, serving.num_blocks, tuple(serving.datastores), serving.model) == want
         assert any((p.rstrip("/") + "/orchestrator").endswith("orchestrator") for p in json.loads(params["python_path"]))
         model = repo / name / "1" / "model.py"
         py_compile.compile(str(model), doraise=True)

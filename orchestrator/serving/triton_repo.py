@@ -76,14 +76,14 @@ def checked_for_the_server(config: ServingConfig, *, model: bool = True) -> Serv
     absolute = {}
     if config.datastores is not None:
         absolute["datastores"] = tuple(str(Path(p).expanduser().resolve()) for p in config.datastores)
-    if model and config.model != "default":
-        absolute["model"] = str(resolve_model_dir(config.model).resolve())
     if config.hardware not in ("measure", "nominal") and Path(config.hardware).is_file():
         absolute["hardware"] = str(Path(config.hardware).resolve())
     config = dataclasses.replace(config, **absolute)
-    if model:
-        resolve_model_dir(config.model)
     open_datastores(config)
+    if model:
+        folder = resolve_model_dir(config.model)
+        if config.model != "default":
+            config = dataclasses.replace(config, model=str(folder.resolve()))
     return config
 
 
