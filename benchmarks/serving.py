@@ -22,7 +22,6 @@ import json
 import os
 import platform
 import queue
-import re
 import sys
 import threading
 import time
@@ -30,11 +29,11 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.results_files import RESULTS, result_name_problem
 from orchestrator.serving.stack import ServingConfig, ServingStack
 from orchestrator.serving.triton_server import TritonPorts, start_triton
 from trt_engines.cpu_kernels import cpu_description
 
-RESULTS = Path(__file__).parent / "results"
 POLICIES = ("none", "goodput")
 NEAR_TIE = 0.5  # bf16 logits of magnitude 64-128 are 0.5 apart: a smaller top-2 gap is a rounding-level tie
 
@@ -193,8 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--requests and --max-tokens must be >= 1; got {min(args.requests)} and {args.max_tokens}")
     if args.tpot_ms <= 0:
         parser.error(f"--tpot-ms must be > 0; got {args.tpot_ms}")
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", args.out):
-        parser.error(f"--out {args.out!r}: a file name in benchmarks/results (letters, digits, '_', '.', '-')")
+    if result_name_problem(args.out):
+        parser.error(f"--out {result_name_problem(args.out)}")
 
     config = ServingConfig(policy="goodput", max_context=2048, num_blocks=1024, max_running=32, hardware="measure",
                            dtype=args.dtype)

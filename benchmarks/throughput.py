@@ -23,7 +23,6 @@ import argparse
 import dataclasses
 import json
 import os
-import re
 import shlex
 import sys
 import time
@@ -33,7 +32,7 @@ import numpy as np
 import torch
 
 from benchmarks.plotting import panels_by_set
-from benchmarks.results_files import RESULTS, save_results
+from benchmarks.results_files import RESULTS, result_name_problem, save_results
 from datastore import Datastore
 from datastore.paths import default_datastore_dir
 from drafter.drafter import Drafter, DrafterConfig
@@ -619,8 +618,8 @@ def main(argv: list[str] | None = None) -> int:
                                   ("--rounds", [args.rounds], 1), ("--identity-prompts", [args.identity_prompts], 0)):
         if min(values) < least:
             parser.error(f"{option} must be >= {least}; got {min(values)}")
-    if args.name is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", args.name):
-        parser.error(f"--name {args.name!r}: a file name in benchmarks/results (letters, digits, '_', '.', '-')")
+    if args.name is not None and result_name_problem(args.name):
+        parser.error(f"--name {result_name_problem(args.name)}")
     name = args.name or ("throughput_quick" if args.quick else "throughput")
     if args.replace_groups:
         check_replaceable(name, planned_shapes(args.sets, args.caps, args.policies, prompts_per_cap),
