@@ -52,9 +52,10 @@ def _digest(log: str) -> str:
 @pytest.fixture(scope="module")
 def kernel_runs(tmp_path_factory):
     """This module's two runs in fresh processes, both started when the module's first test starts. Each compiles
-    every kernel it uses afresh (~50 s on one core: numba compiles single-threaded), so they run beside this
-    process's own tests, which compile theirs, rather than one after another (`make test`'s budget). A run of a
-    single test of this module starts them too, and stops them when the module ends."""
+    every kernel it uses afresh (the engine's alone compile for 37 s in a fresh process, `compile_time.md`, on one
+    core: numba compiles single-threaded), so they run beside this process's own tests, which compile theirs,
+    rather than one after another (`make test`'s budget). A run of a single test of this module starts them too,
+    and stops them when the module ends."""
     folder = tmp_path_factory.mktemp("kernel_runs")
     # other width: the vector-width test's other half; the override turns numba's on-disk cache off there
     other_width = {**os.environ, "RETROSPEC_CPU_VECTOR_FLOATS": "16" if VECTOR_FLOATS == 8 else "8"}
@@ -183,8 +184,8 @@ def test_tree_attention_matches_a_float64_reference(parents, context, seed):
 def test_tree_attention_row_equals_plain_decoding_of_its_path(parents, context, others, seed):
     # Every tree row, on any branch and next to other requests, gets bitwise what plain decoding of its own path
     # gets: attention over the context and its ancestors laid out contiguously, alone in the batch. Long trees
-    # split into several kernel tasks. The kernel is compiled per head_dim (each ~16 s): these tests use SmolLM2's
-    # 64, and the vector-width test a head_dim of 40, whose last value tile is part padding.
+    # split into several kernel tasks. The kernel is compiled per head_dim and output dtype: these tests use
+    # SmolLM2's 64, and the vector-width test a head_dim of 40, whose last value tile is part padding.
     rng = np.random.default_rng(seed)
     heads, kv_heads, dim = 6, 2, 64
     _, _, k_bits, v_bits = _paged(rng, kv_heads, 512, dim)
