@@ -215,6 +215,12 @@ def first_divergence_gap(engine, prompt: np.ndarray, reference: list[int], other
     return {"position": at, "top2_logit_gap": float(top2[0] - top2[1])}
 
 
+def group_sample(trajectories: list, cap: int, prompts_per_cap) -> list:
+    """The prompts a (set, cap) group serves: `prompts_per_cap(cap)` of them, spread over the set (every MT-Bench
+    category, not only the first)."""
+    return spread(trajectories, prompts_per_cap(cap))
+
+
 def run(sets: list[str], caps: list[int], policies: list[str], *, prompts_per_cap, max_tokens: int,
         identity_prompts: int, rounds: int = 1, cpu_kernels: str = "auto") -> dict:
     """Every (set, cap) serves its prompts with all policies side by side (`serve_side_by_side`), `rounds` times;
@@ -230,7 +236,7 @@ def run(sets: list[str], caps: list[int], policies: list[str], *, prompts_per_ca
     for set_name in sets:
         trajectories = load_trajectories(trajectory_path(set_name, "eval"))
         for cap in caps:
-            sample = spread(trajectories, prompts_per_cap(cap))  # every MT-Bench category, not only the first
+            sample = group_sample(trajectories, cap, prompts_per_cap)
             prompts = [t.prompt_ids for t in sample]
             # Every policy generates each prompt's reference length (the target's own greedy output, from the recorded
             # trajectory, up to max_tokens), EOS ignored, as vLLM's throughput benchmark fixes output lengths: in
@@ -455,7 +461,7 @@ def planned_shapes(sets: list[str], caps: list[int], policies: list[str],
     for set_name in sets:
         trajectories = load_trajectories(trajectory_path(set_name, "eval"))
         for cap in caps:
-            shapes[set_name, cap] = sorted((p, len(spread(trajectories, prompts_per_cap(cap)))) for p in policies)
+            shapes[set_name, cap] = sorted((p, len(group_sample(trajectories, cap, prompts_per_cap))) for p in policies)
     return shapes
 
 
