@@ -559,3 +559,22 @@ def test_bf16_kernel_logits_equal_plain_decoding_on_any_branch(engine_bf16):
         for r in (rid, oid):
             engine.release(r)
     assert engine.free_blocks() == NUM_BLOCKS
+
+
+@given(st.integers(0, 2**32 - 1), st.integers(1, 9), st.sampled_from([2, 7, 49152]))
+@settings(max_examples=40, deadline=None)
+def test_greedy_tokens_pick_what_torchs_argmax_picks(seed, rows, vocab):
+    """numpy's argmax stands in for torch's on the CPU (`greedy_tokens`): the same index on every row, ties (the
+    first maximum), infinities and NaNs (a NaN counts as the maximum) included."""
+    from trt_engines.torch_engine import greedy_tokens
+
+    rng = np.random.default_rng(seed)
+    logits = rng.choice(np.array([-np.inf, -1.0, 0.0, 0.5, 3.0, np.inf, np.nan], np.float32), (rows, vocab),
+                        p=[0.05, 0.3, 0.3, 0.2, 0.1, 0.03, 0.02])
+    logits[0] = rng.standard_normal(vocab)  # a row of distinct values beside the tie-heavy ones
+    expected = torch.from_numpy(logits).argmax(dim=-1).numpy()
+    picked = greedy_tokens(torch.from_numpy(logits))
+    assert picked.dtype == np.int32
+    np.testing.assert_array_equal(picked, expected)
+    rows_view = torch.from_numpy(logits).split([1, rows - 1])[-1]  # a row group, as `_sample` passes
+    np.testing.assert_array_equal(greedy_tokens(rows_view), expected[1:] if rows > 1 else expected[:0])

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+import numba
 import numpy as np
 import torch
 from numba import njit
@@ -202,15 +203,16 @@ class FusedCpuDecoder:
         normed = np.empty_like(x)
         q = np.empty((T, H, D), np.uint16)
         slots = np.ascontiguousarray(write_slots, dtype=np.int64)
+        threads = numba.get_num_threads()  # once: the linear layers would each ask (`Bf16Linear.bits`)
         rms_norm(x, self.layers[0][0], self.eps, normed)
         for i, (_, ffn_norm, wqkv, wo, w13, w2) in enumerate(self.layers):  # the attention norm ran with the add
             k_pool, v_pool = pool_bits[i]
-            rope_and_store(wqkv(normed), cos, sin, H, self.n_kv_heads, q, k_pool, v_pool, slots)
-            add_rms_norm(x, wo(tree_attention_bits(q, k_pool, v_pool, layout)), ffn_norm, self.eps, normed)
-            gate_up = w13(normed)
+            rope_and_store(wqkv(normed, threads), cos, sin, H, self.n_kv_heads, q, k_pool, v_pool, slots)
+            add_rms_norm(x, wo(tree_attention_bits(q, k_pool, v_pool, layout), threads), ffn_norm, self.eps, normed)
+            gate_up = w13(normed, threads)
             act = np.empty((T, gate_up.shape[1] // 2), np.uint16)
             silu_and_mul(gate_up, act)
-            down = w2(act)
+            down = w2(act, threads)
             if i + 1 < len(self.layers):
                 add_rms_norm(x, down, self.layers[i + 1][0], self.eps, normed)
             else:
@@ -223,12 +225,18 @@ def _widened(weight: Tensor) -> np.ndarray:
     return weight.detach().float().numpy().copy()
 
 
-def _on_bits(layer: Linear) -> Callable[[np.ndarray], np.ndarray]:
-    """A linear layer as bf16 bits [T, K] -> bits [T, N]: its `Bf16Linear` kernel, or the layer itself."""
+def _on_bits(layer: Linear) -> Callable[[np.ndarray, int], np.ndarray]:
+    """A linear layer as (bf16 bits [T, K], numba's thread count) -> bits [T, N]: its `Bf16Linear` kernel, or the
+    layer itself (PyTorch's threads: the count goes unused)."""
     if isinstance(layer.kernel, Bf16Linear):
-        return layer.kernel.bits
+        kernel = layer.kernel
 
-    def apply(x: np.ndarray) -> np.ndarray:
+        def on_kernel(x: np.ndarray, threads: int) -> np.ndarray:
+            return kernel.bits(x, threads=threads)
+
+        return on_kernel
+
+    def apply(x: np.ndarray, threads: int) -> np.ndarray:
         y = layer(torch.from_numpy(x).view(torch.bfloat16))
         return bf16_bits(y.contiguous())  # `Linear.transposed` returns a transposed view
 

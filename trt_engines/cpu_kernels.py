@@ -538,10 +538,13 @@ class Bf16Linear:
         out = self.bits(bf16_bits(x.detach().contiguous()), fp32_out=fp32_out)
         return torch.from_numpy(out) if fp32_out else torch.from_numpy(out).view(torch.bfloat16)
 
-    def bits(self, xb: np.ndarray, *, fp32_out: bool = False) -> np.ndarray:
-        """`__call__` on bf16 bits: xb [T, K] uint16 -> [T, N] uint16 (a view when N is padded)."""
+    def bits(self, xb: np.ndarray, *, fp32_out: bool = False, threads: int | None = None) -> np.ndarray:
+        """`__call__` on bf16 bits: xb [T, K] uint16 -> [T, N] uint16 (a view when N is padded). `threads`: numba's
+        thread count where the caller has it already (`FusedCpuDecoder` asks once per forward for its 120 layers:
+        `numba.get_num_threads` takes ~1.5 us, a lock, per call)."""
         out = np.empty((xb.shape[0], self.bias.shape[0]), np.float32 if fp32_out else np.uint16)
-        tasks = min(self.bias.shape[0] // LANES, numba.get_num_threads() * _TASKS_PER_THREAD)
+        threads = numba.get_num_threads() if threads is None else threads
+        tasks = min(self.bias.shape[0] // LANES, threads * _TASKS_PER_THREAD)
         for start in range(0, xb.shape[0], _ROW_CHUNK):
             _linear_kernel(xb[start:start + _ROW_CHUNK], self.packed, self.bias, out[start:start + _ROW_CHUNK], tasks)
         return out if out.shape[1] == self.out_features else out[:, : self.out_features]
