@@ -19,7 +19,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trt_engines.cpu_kernels import VECTOR_FLOATS, Bf16Linear, TreeAttentionLayout, bf16_bits, tree_attention
+from trt_engines.cpu_kernels import (_ROWS_PER_TASK, VECTOR_FLOATS, Bf16Linear, TreeAttentionLayout, bf16_bits,
+                                     tree_attention, tree_attention_bits)
 
 HYP = settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 REPO = Path(__file__).resolve().parents[1]
@@ -214,6 +215,43 @@ def test_tree_attention_row_equals_plain_decoding_of_its_path(parents, context, 
         assert torch.equal(batched[i], alone[0]), f"row {i} (path {path.tolist()})"
 
 
+
+@HYP
+@given(rows=st.lists(st.integers(1, 40), min_size=1, max_size=8), kv_heads=st.sampled_from([1, 3]),
+       group=st.sampled_from([1, 3]), workers=st.integers(1, 4))
+def test_tree_attention_tasks_cover_every_row_once_in_equal_runs(rows, kv_heads, group, workers):
+    # prange hands each thread an equal, contiguous share of the tasks: every share must hold one run of the
+    # rows, and the runs must be as long as each other (within a row), whatever the segments' sizes
+    segments, offset = [], 0
+    for n in rows:
+        segments.append((offset, 5, np.arange(offset + 5 * len(segments), offset + 5 * len(segments) + 5 + n),
+                         np.tril(np.ones((n, n), bool))))
+        offset += n
+    segment, kv, first, count = TreeAttentionLayout(segments).tasks(kv_heads, group, workers)
+    assert len(segment) % workers == 0 and count.max() <= _ROWS_PER_TASK and count.min() >= 0
+    covered = {}
+    for s, h, f, c in zip(segment, kv, first, count):
+        assert 0 <= f and f + c <= rows[s] * group
+        for row in range(f, f + c):
+            covered[s, h, row] = covered.get((s, h, row), 0) + 1
+    assert covered == {(s, h, r): 1 for s, n in enumerate(rows) for h in range(kv_heads) for r in range(n * group)}
+    runs = count.reshape(workers, -1).sum(axis=1)
+    assert runs.max() - runs.min() <= 1
+
+
+def test_tree_attention_does_not_depend_on_the_thread_count():
+    # A request's three KV heads' rows are shared out in equal runs per thread (`TreeAttentionLayout.tasks`), so
+    # the thread count decides which task computes a row, and must change none of its bits.
+    rng = np.random.default_rng(5)
+    _, _, k_bits, v_bits = _paged(rng, 3, 256, 64)
+    segments = [(0, 40, rng.permutation(256)[:45], np.tril(np.ones((5, 5), bool))),
+                (5, 90, rng.permutation(256)[:91], np.ones((1, 1), bool))]
+    q = bf16_bits(_bf16(rng, 6, 9, 64))
+    outputs = [tree_attention_bits(q, k_bits, v_bits, TreeAttentionLayout(segments), fp32_out=True, threads=t)
+               for t in (1, 2, 3, 4)]
+    assert all(np.array_equal(outputs[0].view(np.uint32), o.view(np.uint32)) for o in outputs[1:])
+
+
 _OUTPUTS_AT_A_WIDTH = textwrap.dedent("""
     import sys
     import numpy as np, torch
@@ -268,6 +306,13 @@ def test_bad_input_is_refused():
         Bf16Linear(torch.zeros(8, 0, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="ctx \\+ rows keys"):
         TreeAttentionLayout([(0, 5, np.arange(4), np.ones((2, 2), bool))])
+    bits = np.zeros((2, 4), np.uint16)
+    with pytest.raises(ValueError, match="threads must be >= 1"):
+        Bf16Linear(weight).bits(bits, threads=0)
+    layout = TreeAttentionLayout([(0, 3, np.arange(4), np.ones((1, 1), bool))])
+    with pytest.raises(ValueError, match="threads must be >= 1"):
+        tree_attention_bits(np.zeros((1, 2, 16), np.uint16), np.zeros((1, 8, 16), np.uint16),
+                            np.zeros((1, 8, 16), np.uint16), layout, threads=0)
 
 
 def test_bad_kernel_choices_are_refused_before_loading_anything():

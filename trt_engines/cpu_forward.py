@@ -203,12 +203,13 @@ class FusedCpuDecoder:
         normed = np.empty_like(x)
         q = np.empty((T, H, D), np.uint16)
         slots = np.ascontiguousarray(write_slots, dtype=np.int64)
-        threads = numba.get_num_threads()  # once: the linear layers would each ask (`Bf16Linear.bits`)
+        threads = numba.get_num_threads()  # once: each kernel call would ask (`Bf16Linear.bits`)
         rms_norm(x, self.layers[0][0], self.eps, normed)
         for i, (_, ffn_norm, wqkv, wo, w13, w2) in enumerate(self.layers):  # the attention norm ran with the add
             k_pool, v_pool = pool_bits[i]
             rope_and_store(wqkv(normed, threads), cos, sin, H, self.n_kv_heads, q, k_pool, v_pool, slots)
-            add_rms_norm(x, wo(tree_attention_bits(q, k_pool, v_pool, layout), threads), ffn_norm, self.eps, normed)
+            attended = tree_attention_bits(q, k_pool, v_pool, layout, threads=threads)
+            add_rms_norm(x, wo(attended, threads), ffn_norm, self.eps, normed)
             gate_up = w13(normed, threads)
             act = np.empty((T, gate_up.shape[1] // 2), np.uint16)
             silu_and_mul(gate_up, act)
