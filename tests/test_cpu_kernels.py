@@ -215,18 +215,14 @@ def test_tree_attention_row_equals_plain_decoding_of_its_path(parents, context, 
         assert torch.equal(batched[i], alone[0]), f"row {i} (path {path.tolist()})"
 
 
-
 @HYP
 @given(rows=st.lists(st.integers(1, 40), min_size=1, max_size=8), kv_heads=st.sampled_from([1, 3]),
        group=st.sampled_from([1, 3]), workers=st.integers(1, 4))
 def test_tree_attention_tasks_cover_every_row_once_in_equal_runs(rows, kv_heads, group, workers):
     # prange hands each thread an equal, contiguous share of the tasks: every share must hold one run of the
     # rows, and the runs must be as long as each other (within a row), whatever the segments' sizes
-    segments, offset = [], 0
-    for n in rows:
-        segments.append((offset, 5, np.arange(offset + 5 * len(segments), offset + 5 * len(segments) + 5 + n),
-                         np.tril(np.ones((n, n), bool))))
-        offset += n
+    first_rows = np.concatenate([[0], np.cumsum(rows)[:-1]])
+    segments = [(int(r0), 5, np.arange(5 + n), np.tril(np.ones((n, n), bool))) for r0, n in zip(first_rows, rows)]
     segment, kv, first, count = TreeAttentionLayout(segments).tasks(kv_heads, group, workers)
     assert len(segment) % workers == 0 and count.max() <= _ROWS_PER_TASK and count.min() >= 0
     covered = {}
@@ -241,14 +237,22 @@ def test_tree_attention_tasks_cover_every_row_once_in_equal_runs(rows, kv_heads,
 
 def test_tree_attention_does_not_depend_on_the_thread_count():
     # A request's three KV heads' rows are shared out in equal runs per thread (`TreeAttentionLayout.tasks`), so
-    # the thread count decides which task computes a row, and must change none of its bits.
+    # the thread count decides which task computes a row, and must change none of its bits. One thread runs
+    # alone; more runs than threads leave a thread several.
     rng = np.random.default_rng(5)
     _, _, k_bits, v_bits = _paged(rng, 3, 256, 64)
     segments = [(0, 40, rng.permutation(256)[:45], np.tril(np.ones((5, 5), bool))),
                 (5, 90, rng.permutation(256)[:91], np.ones((1, 1), bool))]
     q = bf16_bits(_bf16(rng, 6, 9, 64))
-    outputs = [tree_attention_bits(q, k_bits, v_bits, TreeAttentionLayout(segments), fp32_out=True, threads=t)
-               for t in (1, 2, 3, 4)]
+    threads = numba.get_num_threads()
+    outputs = []
+    try:
+        for runs in (1, 2, 3, 4):
+            numba.set_num_threads(min(runs, threads))
+            outputs.append(tree_attention_bits(q, k_bits, v_bits, TreeAttentionLayout(segments), fp32_out=True,
+                                               threads=runs))
+    finally:
+        numba.set_num_threads(threads)
     assert all(np.array_equal(outputs[0].view(np.uint32), o.view(np.uint32)) for o in outputs[1:])
 
 
