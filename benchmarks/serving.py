@@ -192,8 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--requests and --max-tokens must be >= 1; got {min(args.requests)} and {args.max_tokens}")
     if args.tpot_ms <= 0:
         parser.error(f"--tpot-ms must be > 0; got {args.tpot_ms}")
-    if result_name_problem(args.out):
-        parser.error(f"--out {result_name_problem(args.out)}")
+    if problem := result_name_problem(args.out):
+        parser.error(f"--out {problem}")
 
     config = ServingConfig(policy="goodput", max_context=2048, num_blocks=1024, max_running=32, hardware="measure",
                            dtype=args.dtype)

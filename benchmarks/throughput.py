@@ -624,8 +624,8 @@ def main(argv: list[str] | None = None) -> int:
                                   ("--rounds", [args.rounds], 1), ("--identity-prompts", [args.identity_prompts], 0)):
         if min(values) < least:
             parser.error(f"{option} must be >= {least}; got {min(values)}")
-    if args.name is not None and result_name_problem(args.name):
-        parser.error(f"--name {result_name_problem(args.name)}")
+    if args.name is not None and (problem := result_name_problem(args.name)):
+        parser.error(f"--name {problem}")
     name = args.name or ("throughput_quick" if args.quick else "throughput")
     if args.replace_groups:
         check_replaceable(name, planned_shapes(args.sets, args.caps, args.policies, prompts_per_cap),

@@ -4,6 +4,7 @@ invariance by construction (property tests), and bad input. The engine-level tes
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import runpy
@@ -126,15 +127,22 @@ def test_linear_does_not_depend_on_the_thread_count():
         pytest.skip("needs a CPU with two cores")
     rng = np.random.default_rng(7)
     linear, x = Bf16Linear(_bf16(rng, 964, 576)), _bf16(rng, 9, 576)
-    threads = numba.get_num_threads()
     outputs = []
-    try:
-        for n in (1, 2):
-            numba.set_num_threads(n)
+    for n in (1, 2):
+        with _numba_threads(n):
             outputs.append(linear(x, fp32_out=True))
-    finally:
-        numba.set_num_threads(threads)
     assert all(torch.equal(outputs[0], o) for o in outputs[1:])
+
+
+@contextlib.contextmanager
+def _numba_threads(n: int):
+    """numba's parallel kernels run on `n` threads (at most the pool's) inside the block, as many as before after."""
+    before = numba.get_num_threads()
+    numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+    try:
+        yield
+    finally:
+        numba.set_num_threads(before)
 
 
 def _tree_mask(parents: list[int]) -> np.ndarray:
@@ -244,15 +252,11 @@ def test_tree_attention_does_not_depend_on_the_thread_count():
     segments = [(0, 40, rng.permutation(256)[:45], np.tril(np.ones((5, 5), bool))),
                 (5, 90, rng.permutation(256)[:91], np.ones((1, 1), bool))]
     q = bf16_bits(_bf16(rng, 6, 9, 64))
-    threads = numba.get_num_threads()
     outputs = []
-    try:
-        for runs in (1, 2, 3, 4):
-            numba.set_num_threads(min(runs, threads))
+    for runs in (1, 2, 3, 4):
+        with _numba_threads(runs):
             outputs.append(tree_attention_bits(q, k_bits, v_bits, TreeAttentionLayout(segments), fp32_out=True,
                                                threads=runs))
-    finally:
-        numba.set_num_threads(threads)
     assert all(np.array_equal(outputs[0].view(np.uint32), o.view(np.uint32)) for o in outputs[1:])
 
 

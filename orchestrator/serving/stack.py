@@ -36,6 +36,9 @@ from trt_engines.base import SamplingParams, check_cpu_kernels
 NOMINAL_CPU = HardwareSpec("nominal-cpu", {"float32": 1e11, "bfloat16": 3e11}, mem_bandwidth=2e10, overhead_s=5e-3)
 
 
+HARDWARE_MODES = ("measure", "nominal")  # `ServingConfig.hardware` values that name no device or profile
+
+
 @dataclass(frozen=True)
 class ServingConfig:
     """Everything needed to build a stack. `datastores=None` means the default datastore if it is built (else the
@@ -87,7 +90,7 @@ class ServingConfig:
             raise ValueError(f"draft_timeout_s must be > 0 (or None: no timeout); got {self.draft_timeout_s}")
         check_micro_batches(self.micro_batches)
         check_prefill_chunk(self.prefill_chunk)
-        if self.hardware not in ("measure", "nominal"):
+        if self.hardware not in HARDWARE_MODES:
             hardware(self.hardware)  # an unknown name or a bad profile is refused here, not after loading the model
 
 

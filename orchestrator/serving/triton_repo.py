@@ -22,7 +22,7 @@ import site
 import sysconfig
 from pathlib import Path
 
-from orchestrator.serving.stack import ServingConfig, open_datastores
+from orchestrator.serving.stack import HARDWARE_MODES, ServingConfig, open_datastores
 
 TEMPLATES = Path(__file__).parent / "templates"
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,7 +76,7 @@ def checked_for_the_server(config: ServingConfig, *, model: bool = True) -> Serv
     absolute = {}
     if config.datastores is not None:
         absolute["datastores"] = tuple(str(Path(p).expanduser().resolve()) for p in config.datastores)
-    if config.hardware not in ("measure", "nominal") and Path(config.hardware).is_file():
+    if config.hardware not in HARDWARE_MODES and Path(config.hardware).is_file():
         absolute["hardware"] = str(Path(config.hardware).resolve())
     config = dataclasses.replace(config, **absolute)
     open_datastores(config)
