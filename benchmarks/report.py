@@ -3,8 +3,9 @@ headline table (between the `<!-- headline:begin -->` / `<!-- headline:end -->` 
 
     python -m benchmarks.report
 
-Reads whichever of these exist (never the `*_quick` files): datastore, verify_cost, acceptance, draft_batch,
-throughput, serving, simulator_validation, projection, gpu_verify_cost. Plots (PNG, matplotlib):
+Reads whichever of the results named in `NAMES` exist (never the `*_quick` files): datastore, verify_cost,
+acceptance, throughput, serving, simulator_validation, projection, gpu_verify_cost, gpu_orchestrator and the rest.
+Plots (PNG, matplotlib):
 
     report_tau_vs_budget.png        tokens per step vs node budget, per method and prompt set (acceptance)
     report_speedup_vs_concurrency.png   speedup over `none` vs concurrency, per policy (throughput; projection)
@@ -30,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 NAMES = ("datastore", "verify_cost", "attention_calls", "acceptance", "draft_batch", "throughput", "throughput_avx2",
          "batch_invariance", "prefix_cache", "chunked_prefill", "serving", "serving_avx2", "thread_pools",
-         "compile_time", "simulator_validation", "projection", "gpu_verify_cost")
+         "compile_time", "simulator_validation", "projection", "gpu_verify_cost", "gpu_orchestrator")
 BEGIN, END = "<!-- headline:begin -->", "<!-- headline:end -->"
 
 
@@ -140,6 +141,12 @@ def headline_rows(results: dict[str, dict]) -> list[tuple[str, str, str, str]]:
         if "lossless" in g:
             rows.append((f"identical greedy outputs with speculation on {g['device']} (fp32, random weights)",
                          f"{g['lossless']['identical_outputs_fraction']:.0%}", "100%", "gpu_verify_cost"))
+    if "gpu_orchestrator" in results:
+        g = results["gpu_orchestrator"]
+        runs = g["lossless"]["runs"]
+        rows.append((f"identical greedy outputs through the orchestrator on {g['device']} (fp32, random weights; "
+                     f"{len(runs)} runs: every policy, micro-batches forced and decided)",
+                     f"{min(r['identical_outputs_fraction'] for r in runs):.0%}", "100%", "gpu_orchestrator"))
     return rows
 
 

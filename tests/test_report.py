@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks import gpu_verify_cost, report
+from benchmarks import gpu_orchestrator, gpu_verify_cost, report
 from drafter.tree import DraftTree
 from trt_engines.base import SamplingParams, VerifyItem
 from trt_engines.llama import Transformer
@@ -64,6 +64,14 @@ def test_gpu_verify_cost_without_cuda_says_so_and_writes_nothing(tmp_path, capsy
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the benchmark would run for real")
     assert gpu_verify_cost.main(["--out-dir", str(tmp_path)]) == 0
+    assert "no CUDA device" in capsys.readouterr().out
+    assert not list(tmp_path.iterdir())
+
+
+def test_gpu_orchestrator_without_cuda_says_so_and_writes_nothing(tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the benchmark would run for real")
+    assert gpu_orchestrator.main(["--out-dir", str(tmp_path)]) == 0
     assert "no CUDA device" in capsys.readouterr().out
     assert not list(tmp_path.iterdir())
 

@@ -1,0 +1,299 @@
+"""The serving core on a GPU: `Orchestrator` + `Drafter` + `TorchEngine` on CUDA, with every budget policy and with
+micro-batches that take turns (SPIN §V: one micro-batch is drafted on the CPU while the other is verified).
+
+    python -m benchmarks.gpu_orchestrator                                          # on the CUDA device
+    python -m benchmarks.gpu_orchestrator --device cpu --quick --out-dir /tmp/x    # dry run of the code path
+
+No checkpoint travels to a GPU machine, so the models are bundled shapes with random weights, and the drafter runs on
+its prompt and self-output indexes only (no datastore): what it drafts is what a random model's greedy output repeats
+of its prompt and of itself. Acceptance here says nothing about real text. Two things are measured:
+
+1. Lossless on this device. The default model's shape in fp32; requests with prompts of mixed length (random tokens
+   with one stretch repeated, so the prompt index drafts), at most 8 running, through the orchestrator with every
+   policy, with 2 micro-batches forced, and with micro-batches decided per step. Outputs against plain greedy
+   decoding (`orchestrator.spec_loop.generate`), token for token, and the KV blocks free afterwards.
+2. The budget on a real shape's step times. Llama-3.1-8B's shape in bf16, its LM head tied to its embedding (so that
+   the random model repeats itself and the drafter finds continuations), at caps 1 and 16, the runs interleaved step
+   by step: `none`, and `goodput` with one micro-batch per step, deciding per step, and with two forced. Output
+   tokens/s, tokens per request-step, tree nodes per request-step, steps split into micro-batches, drafting hidden
+   behind verifies, and the step-time model's median error (the datasheet roofline fitted at start-up by
+   `fit_step_model`, then refit online from the steps).
+
+Without CUDA (and without --device cpu) it says so and exits 0. Writes gpu_orchestrator.json (+ .md) to --out-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.gpu_verify_cost import datasheet_for
+
+RESULTS = Path(__file__).resolve().parent / "results"
+LOSSLESS_RUNS = (("none", 1), ("fixed:4", 1), ("fixed:16", 1), ("roofline", 1), ("goodput", 1),
+                 ("fixed:4", 2), ("goodput", 2), ("goodput", None))
+SPEED_RUNS = (("none", 1), ("goodput", 1), ("goodput", None), ("goodput", 2))
+
+
+def repeating_prompts(n: int, vocab: int, rng: np.random.Generator) -> list[list[int]]:
+    """Random tokens with one stretch of 8-16 tokens repeated three times among them, 30-200 tokens long."""
+    prompts = []
+    for _ in range(n):
+        stretch = rng.integers(3, vocab, int(rng.integers(8, 17))).tolist()
+        prompt: list[int] = []
+        for _ in range(3):
+            prompt += rng.integers(3, vocab, int(rng.integers(4, 50))).tolist() + stretch
+        prompts.append(prompt)
+    return prompts
+
+
+def build(model_name: str, dtype, device, *, num_blocks: int, max_context: int, tie_embeddings: bool = False):
+    """A random-weight engine of a bundled shape, and the step-time model fitted to it at start-up. `tie_embeddings`
+    ties the LM head to the input embedding (the same matrix, so the same step cost): a random model then tends to
+    repeat its last token, which gives the drafter something to find."""
+    import torch
+
+    from orchestrator.profiling import fit_step_model, measure_hardware
+    from orchestrator.roofline import KNOWN_HARDWARE, ModelShape, StepTimeModel
+    from tools.simulate import model_config
+    from trt_engines.llama import Transformer
+    from trt_engines.torch_engine import TorchEngine
+
+    config = {"rope_theta": 500000.0, "rms_norm_eps": 1e-5, "model_type": "llama", **model_config(model_name)}
+    config = {k: v for k, v in config.items() if not k.startswith("_")}
+    if tie_embeddings:
+        config["tie_word_embeddings"] = True
+    model = Transformer.random(config, dtype=dtype, device=device)
+    engine = TorchEngine(model, dtype=dtype, device=device, num_blocks=num_blocks, max_context=max_context)
+    dtype_name = "float32" if dtype == torch.float32 else "bfloat16"
+    sheet = datasheet_for(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    hardware = KNOWN_HARDWARE[sheet] if sheet else measure_hardware(device.type, dtypes=(dtype_name,))
+    step_model = StepTimeModel(ModelShape.from_config(config), hardware, dtype=dtype_name,
+                               attention_layout=engine.attention_layout)
+    fit_error = fit_step_model(engine, step_model)
+    return engine, step_model, fit_error
+
+
+class _Run:
+    """One (policy, micro-batches) orchestrator over the prompts, timed on its own clock (the sum of its steps)."""
+
+    def __init__(self, engine, step_model, policy: str, micro_batches: int | None, prompts: list[list[int]], *,
+                 cap: int, max_tokens: int):
+        from drafter.drafter import Drafter, DrafterConfig
+        from orchestrator.budget import BudgetController, BudgetPolicy
+        from orchestrator.core import Orchestrator
+        from orchestrator.request import GenerationRequest
+
+        self.policy, self.micro_batches, self.cap = policy, micro_batches, cap
+        drafter = Drafter(DrafterConfig(sources="input", max_budget=64), vocab_size=engine.vocab_size)
+        controller = BudgetController(BudgetPolicy.parse(policy), step_model.clone())
+        self.orchestrator = Orchestrator(engine, drafter, controller, max_running=cap, micro_batches=micro_batches)
+        self.outputs: dict[str, list[int]] = {}
+        self.accepted = 0
+        self.elapsed = 0.0
+        self.to_generate = max_tokens * len(prompts)
+        tag = f"{policy.replace(':', '')}-mb{micro_batches}"
+        # each run its own prefix-cache salt: a prompt another run prefilled would make this run's prefill free
+        self.ids = [self.orchestrator.submit(GenerationRequest(prompt_ids=tuple(p), max_tokens=max_tokens,
+                                                               ignore_eos=True, cache_salt=tag),
+                                             self.collect, request_id=f"{tag}-{i}") for i, p in enumerate(prompts)]
+
+    def collect(self, out) -> None:
+        self.outputs.setdefault(out.request_id, []).extend(out.token_ids)
+        if out.finished:
+            self.accepted += out.stats.accepted
+
+    @property
+    def progress(self) -> float:
+        return sum(len(v) for v in self.outputs.values()) / self.to_generate
+
+    def step(self) -> None:
+        started = time.perf_counter()
+        self.orchestrator.step()
+        self.elapsed += time.perf_counter() - started
+
+    def summary(self) -> dict:
+        records = list(self.orchestrator.records)
+        request_steps = sum(r.batch for r in records)
+        errors = [abs(r.predicted_s / r.measured_s - 1) for r in records if r.measured_s > 0]
+        tokens = sum(len(self.outputs[i]) for i in self.ids)
+        return {
+            "policy": self.policy, "micro_batches": "per step" if self.micro_batches is None else self.micro_batches,
+            "cap": self.cap, "requests": len(self.ids), "outputs": [self.outputs[i] for i in self.ids],
+            "tokens": tokens, "seconds": self.elapsed, "tokens_per_s": tokens / self.elapsed,
+            "accepted_draft_tokens": self.accepted,
+            "tokens_per_request_step": (tokens - len(self.ids)) / max(request_steps, 1),
+            "nodes_per_request_step": sum(sum(r.nodes) for r in records) / max(request_steps, 1),
+            "steps": len(records), "split_steps": sum(r.micro_batches > 1 for r in records),
+            "drafting_hidden_s": sum(r.overlapped_draft_s for r in records),
+            "drafting_waited_s": sum(r.draft_s for r in records),
+            "verify_s": sum(r.measured_s for r in records),
+            "prefill_s": sum(sum(r.prefill_s) for r in records),
+            "step_model_median_abs_err": float(np.median(errors)) if errors else None,
+            "drafter_fallbacks": self.orchestrator.drafter_fallbacks,
+        }
+
+
+def serve_together(engine, step_model, runs: tuple, prompts: list[list[int]], *, cap: int,
+                   max_tokens: int) -> list[dict]:
+    """Every (policy, micro-batches) run over the same prompts (all submitted at once, at most `cap` running, each
+    request exactly `max_tokens` long, EOS ignored), interleaved step by step: the next step is always the one of the
+    run furthest behind in its work, so a drift of the machine's speed (clocks, the host's load) hits every run alike
+    (`benchmarks.throughput.serve_side_by_side`'s rule). Each run's time is the sum of its own steps."""
+    free_before = engine.free_blocks()
+    engine.reset_prefix_cache()
+    active = [_Run(engine, step_model, policy, mb, prompts, cap=cap, max_tokens=max_tokens) for policy, mb in runs]
+    while busy := [r for r in active if not r.orchestrator.idle]:
+        min(busy, key=lambda r: r.progress).step()
+    engine.reset_prefix_cache()
+    freed = engine.free_blocks() == free_before
+    return [{**r.summary(), "kv_blocks_freed": freed} for r in active]
+
+
+def lossless(device, *, requests: int, max_tokens: int) -> dict:
+    import torch
+
+    from orchestrator.spec_loop import generate
+
+    engine, step_model, fit_error = build("smollm2-135m", torch.float32, device, num_blocks=1024, max_context=1024)
+    prompts = repeating_prompts(requests, engine.vocab_size, np.random.default_rng(0))
+    reference, _ = generate(engine, prompts, max_new_tokens=max_tokens, stop_at_eos=False, id_prefix="plain")
+    runs = []
+    for policy, micro_batches in LOSSLESS_RUNS:
+        run, = serve_together(engine, step_model, ((policy, micro_batches),), prompts, cap=8, max_tokens=max_tokens)
+        run["identical_outputs_fraction"] = sum(a == b for a, b in zip(run.pop("outputs"), reference)) / requests
+        runs.append(run)
+        print(f"lossless {policy:9s} micro-batches {run['micro_batches']!s:8s} identical "
+              f"{run['identical_outputs_fraction']:.0%}, {run['accepted_draft_tokens']} accepted, "
+              f"{run['split_steps']}/{run['steps']} steps split", flush=True)
+    return {"model_shape": "smollm2-135m (random weights, fp32)", "requests": requests, "max_tokens": max_tokens,
+            "cap": 8, "fit_error": fit_error, "runs": runs}
+
+
+def speed(device, model_name: str, *, caps: tuple[int, ...], requests_per_cap: dict[int, int], max_tokens: int) -> dict:
+    import torch
+
+    engine, step_model, fit_error = build(model_name, torch.bfloat16, device, num_blocks=4096, max_context=1024,
+                                          tie_embeddings=True)
+    rng = np.random.default_rng(1)
+    # untimed: whatever compiles or allocates on first use (prefill shapes, the micro-batch worker) does so here
+    serve_together(engine, step_model, (("none", 1), ("goodput", 2)), repeating_prompts(2, engine.vocab_size, rng),
+                   cap=2, max_tokens=8)
+    rows = []
+    for cap in caps:
+        prompts = repeating_prompts(requests_per_cap[cap], engine.vocab_size, rng)
+        baseline = None
+        for run in serve_together(engine, step_model, SPEED_RUNS, prompts, cap=cap, max_tokens=max_tokens):
+            outputs = run.pop("outputs")
+            baseline = baseline or (run["tokens_per_s"], outputs)
+            run["speedup_over_none"] = run["tokens_per_s"] / baseline[0]
+            # bf16 on a GPU is not batch-invariant: the batch's shape may flip a near-tie (reported, not a goal)
+            run["identical_to_none_fraction"] = sum(a == b for a, b in zip(outputs, baseline[1])) / len(outputs)
+            rows.append(run)
+            print(f"speed cap {cap:<3d} {run['policy']:8s} micro-batches {run['micro_batches']!s:8s} "
+                  f"{run['tokens_per_s']:8.1f} tok/s ({run['speedup_over_none']:.2f}x none), "
+                  f"{run['nodes_per_request_step']:.1f} nodes/request-step, {run['split_steps']}/{run['steps']} "
+                  f"split, step err {run['step_model_median_abs_err'] or 0:.1%}", flush=True)
+    return {"model_shape": f"{model_name} (random weights, LM head tied to the embedding, bf16)",
+            "max_tokens": max_tokens, "fit_error": fit_error, "hardware": step_model.hardware.name, "rows": rows}
+
+
+def write_markdown(path: Path, result: dict) -> None:
+    x = result["lossless"]
+    lines = [f"# The serving core on {result['device']}", "",
+             f"Command: `{result['command']}`. torch {result['torch']}. Random weights (no checkpoint travels to the "
+             "GPU machine); the drafter uses its prompt and self-output indexes only, so acceptance reflects a random "
+             "model repeating itself, not real text.", "",
+             "## Lossless through the orchestrator on this device", "",
+             f"{x['model_shape']}, {x['requests']} requests x {x['max_tokens']} tokens, at most {x['cap']} running; "
+             "outputs against plain greedy decoding.", "",
+             "| policy | micro-batches | identical outputs | draft tokens accepted | steps split | KV freed |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {r['policy']} | {r['micro_batches']} | {r['identical_outputs_fraction']:.0%} | "
+              f"{r['accepted_draft_tokens']} | {r['split_steps']}/{r['steps']} | "
+              f"{'yes' if r['kv_blocks_freed'] else 'NO'} |"
+              for r in x["runs"]]
+    s = result["speed"]
+    lines += ["", f"## The budget on {s['model_shape']} step times", "",
+              f"{s['max_tokens']} tokens per request, EOS ignored. Step-time model: {s['hardware']} roofline, "
+              f"fitted at start-up (median error on the sweep {s['fit_error']:.1%}), refit online.", "",
+              "| cap | policy | micro-batches | tok/s | x none | tokens / request-step | nodes / request-step "
+              "| steps split | drafting hidden s | drafting waited s | verify s | step model err | same as none |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['cap']} | {r['policy']} | {r['micro_batches']} | {r['tokens_per_s']:.1f} | "
+              f"{r['speedup_over_none']:.2f} | {r['tokens_per_request_step']:.2f} | "
+              f"{r['nodes_per_request_step']:.1f} | "
+              f"{r['split_steps']}/{r['steps']} | {r['drafting_hidden_s']:.2f} | {r['drafting_waited_s']:.2f} | "
+              f"{r['verify_s']:.2f} | {r['step_model_median_abs_err'] or 0:.1%} | "
+              f"{r['identical_to_none_fraction']:.0%} |"
+              for r in s["rows"]]
+    lines += ["", *speed_readings(s["rows"])]
+    if result.get("notes"):
+        lines += ["## Notes", "", *result["notes"], ""]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def speed_readings(rows: list[dict]) -> list[str]:
+    """What the speed table does and does not show, read from its own rows."""
+    out = []
+    goodput = [r for r in rows if r["policy"] == "goodput"]
+    if goodput and all(r["nodes_per_request_step"] == 0 for r in goodput):
+        out += ["Reading: `goodput` sent no tree nodes in any row (the drafter found no continuation in this model's "
+                "outputs), so every row of a cap did the same work, and `x none` is the spread between runs of the "
+                "same work on this machine, not a speedup from speculation.", ""]
+    for cap in sorted({r["cap"] for r in rows}):
+        decided = [r for r in rows if r["cap"] == cap and r["micro_batches"] == "per step"]
+        forced = [r for r in rows if r["cap"] == cap and r["policy"] == "goodput" and r["micro_batches"] == 2
+                  and r["split_steps"]]
+        if decided and forced:
+            d, f = decided[0], forced[0]
+            out += [f"Cap {cap}: deciding per step, the orchestrator split {d['split_steps']} of {d['steps']} steps "
+                    f"into micro-batches; with two forced it split {f['split_steps']} of {f['steps']} and ran at "
+                    f"{f['tokens_per_s'] / d['tokens_per_s']:.2f}x the tokens/s of deciding per step.", ""]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda",
+                        help="cuda (the benchmark); cpu only for a dry run of the code path")
+    parser.add_argument("--model", default="llama-3.1-8b", help="bundled shape for the speed part")
+    parser.add_argument("--quick", action="store_true",
+                        help="few, short requests; the default model's shape (dry runs)")
+    parser.add_argument("--out-dir", default=str(RESULTS))
+    parser.add_argument("--note", action="append", default=[], help="a paragraph for the results' Notes section")
+    args = parser.parse_args(argv)
+    import torch
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("gpu_orchestrator: no CUDA device here (torch.cuda.is_available() is False); nothing was measured. "
+              "Run it on a GPU machine: python -m benchmarks.gpu_orchestrator")
+        return 0
+    device = torch.device(args.device)
+    model_name = "smollm2-135m" if args.quick else args.model
+    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__,
+              "command": " ".join(["python -m benchmarks.gpu_orchestrator"]
+                                  + ([f"--device {args.device}"] if args.device != "cuda" else [])
+                                  + ([f"--model {args.model}"] if args.model != "llama-3.1-8b" else [])
+                                  + (["--quick"] if args.quick else []))}
+    result["lossless"] = lossless(device, requests=6 if args.quick else 16, max_tokens=16 if args.quick else 64)
+    result["speed"] = speed(device, model_name, caps=(1, 16) if not args.quick else (1, 4),
+                            requests_per_cap={1: 2 if args.quick else 4, 4: 4, 16: 32},
+                            max_tokens=16 if args.quick else 128)
+    if args.note:
+        result["notes"] = args.note
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_orchestrator.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_markdown(out / "gpu_orchestrator.md", result)
+    print((out / "gpu_orchestrator.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
