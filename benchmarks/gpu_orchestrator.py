@@ -233,7 +233,7 @@ def write_markdown(path: Path, result: dict) -> None:
               for r in s["rows"]]
     lines += ["", *speed_readings(s["rows"])]
     if result.get("notes"):
-        lines += ["## Notes", "", *result["notes"], ""]
+        lines += ["## Notes", ""] + [line for note in result["notes"] for line in (note, "")]
     path.write_text("\n".join(lines) + "\n")
 
 

@@ -440,6 +440,39 @@ def test_pytorch_bf16_kernels_warn_where_they_are_not_batch_invariant():
         assert warned == (kernels != "numba" and not cpu_has_native_bf16()), kernels
 
 
+def test_torch_threads_default_to_one_on_a_gpu_unless_the_environment_or_the_caller_says():
+    from trt_engines.torch_engine import host_torch_threads
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert host_torch_threads(cuda, None, environ={}) == 1
+    assert host_torch_threads(cuda, None, environ={"OMP_NUM_THREADS": "4"}) is None  # the user's setting stays
+    assert host_torch_threads(cpu, None, environ={}) is None  # the CPU forward runs on torch's threads
+    assert host_torch_threads(cuda, 3, environ={"OMP_NUM_THREADS": "4"}) == 3
+    assert host_torch_threads(cpu, 2, environ={}) == 2
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="torch_threads must be an int >= 1"):
+            host_torch_threads(cpu, bad, environ={})
+
+
+def test_the_engine_sets_torch_threads_it_is_given():
+    from trt_engines.llama import Transformer
+    from trt_engines.torch_engine import TorchEngine
+
+    tiny = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 256}
+    model = Transformer.random(tiny, dtype=torch.float32)
+    before = torch.get_num_threads()
+    try:
+        TorchEngine(model, dtype=torch.float32, device="cpu", num_blocks=8, torch_threads=1)
+        assert torch.get_num_threads() == 1
+        TorchEngine(model, dtype=torch.float32, device="cpu", num_blocks=8)  # None on the CPU: left as it is
+        assert torch.get_num_threads() == 1
+        with pytest.raises(ValueError, match="torch_threads must be an int >= 1"):
+            TorchEngine(model, dtype=torch.float32, device="cpu", num_blocks=8, torch_threads=0)
+    finally:
+        torch.set_num_threads(before)
+
+
 def _decoy_tree(rng: np.random.Generator, max_nodes: int = 48) -> DraftTree:
     """Random tokens under random parents: up to `max_nodes`, so a batch often verifies more than 32 rows (where
     oneDNN's bf16 x W^T switches kernels: `llama.Linear.transposed`)."""

@@ -63,6 +63,7 @@ one's, reuses them.
 from __future__ import annotations
 
 import math
+import os
 import time
 import warnings
 from collections.abc import KeysView
@@ -268,6 +269,24 @@ class _KernelAttention:
         return tree_attention(q, k_bits, v_bits, self.layout)
 
 
+def host_torch_threads(device: torch.device, requested: int | None, environ=os.environ) -> int | None:
+    """The CPU thread count torch should run with in a process whose engine verifies on `device`; None: leave it.
+
+    `requested` wins. On a GPU the default is one thread, unless the environment's OMP_NUM_THREADS names a count (as
+    vLLM's GPU workers do): the host only packs inputs and launches kernels there, and torch's CPU pool (a thread
+    per core by default) made each of the forward's few small CPU ops wake every core, beside the drafter's numba
+    threads. On an H100 host with 16 cores an 8B-shape verify step of one request took 36 ms (median) with 16
+    threads and 25.5 with one, and one orchestrator's steps 101 ms, then 25.7, among others taking turns with it
+    (`benchmarks/results/gpu_orchestrator.md`, Notes). On the CPU the forward itself runs on those threads."""
+    if requested is not None:
+        if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+            raise ValueError(f"torch_threads must be an int >= 1 (or None: the device's default); got {requested!r}")
+        return requested
+    if device.type == "cpu" or environ.get("OMP_NUM_THREADS"):
+        return None
+    return 1
+
+
 def greedy_tokens(logits: Tensor) -> np.ndarray:
     """The argmax of each row of `logits` [R, V] as int32: the first maximum, a NaN counting as the maximum (as
     torch's argmax). On the CPU through numpy's argmax, which took a tenth of the time of torch's over SmolLM2's
@@ -323,8 +342,12 @@ class TorchEngine:
         batch_invariant: bool | None = None,
         cpu_kernels: str = "auto",
         prefix_caching: bool | None = None,
+        torch_threads: int | None = None,
     ):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        threads = host_torch_threads(self.device, torch_threads)
+        if threads is not None and threads != torch.get_num_threads():
+            torch.set_num_threads(threads)  # process-wide, as torch has it (`host_torch_threads`)
         self.dtype = dtype
         # Where bf16 verify steps run numba kernels (`trt_engines.cpu_kernels`, batch-invariant by construction):
         # "numba", linear layers and verify attention (the fast path on CPUs without bf16 dot-product instructions,

@@ -58,7 +58,7 @@ class ServingConfig:
     max_running: int = 32
     hardware: str = "measure"
     fit_step_model: bool = True  # a few seconds of verify steps at start-up to fit this engine's constants
-    torch_threads: int | None = None
+    torch_threads: int | None = None  # torch's CPU threads (TorchEngine's: None keeps the CPU's, 1 on a GPU)
     cpu_kernels: str = "auto"  # bf16 on the CPU: where TorchEngine runs its numba kernels (its `cpu_kernels`)
     prefix_caching: bool | None = None  # reuse earlier prompts' KV blocks (TorchEngine's; None: where exact)
     max_body_bytes: int = 1 << 20  # HTTP bodies above this are refused with 413
@@ -150,7 +150,7 @@ class ServingStack:
             engine = TorchEngine(model_dir, dtype=getattr(torch, config.dtype), device=config.device,
                                  num_blocks=config.num_blocks, block_size=config.block_size,
                                  max_context=config.max_context, cpu_kernels=config.cpu_kernels,
-                                 prefix_caching=config.prefix_caching)
+                                 prefix_caching=config.prefix_caching, torch_threads=config.torch_threads)
             drafter = make_drafter(config, datastores)
             shape = ModelShape.from_config(model_dir)
             if config.hardware == "measure":
