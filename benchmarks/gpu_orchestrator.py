@@ -4,20 +4,21 @@ micro-batches that take turns (SPIN §V: one micro-batch is drafted on the CPU w
     python -m benchmarks.gpu_orchestrator                                          # on the CUDA device
     python -m benchmarks.gpu_orchestrator --device cpu --quick --out-dir /tmp/x    # dry run of the code path
 
-No checkpoint travels to a GPU machine, so the models are bundled shapes with random weights, and the drafter runs on
-its prompt and self-output indexes only (no datastore): what it drafts is what a random model's greedy output repeats
-of its prompt and of itself. Acceptance here says nothing about real text. Two things are measured:
+No checkpoint travels to a GPU machine, so the models are bundled shapes with random weights, and acceptance here
+says nothing about real text. Two things are measured:
 
 1. Lossless on this device. The default model's shape in fp32; requests with prompts of mixed length (random tokens
-   with one stretch repeated, so the prompt index drafts), at most 8 running, through the orchestrator with every
-   policy, with 2 micro-batches forced, and with micro-batches decided per step. Outputs against plain greedy
-   decoding (`orchestrator.spec_loop.generate`), token for token, and the KV blocks free afterwards.
-2. The budget on a real shape's step times. Llama-3.1-8B's shape in bf16, its LM head tied to its embedding (so that
-   the random model repeats itself and the drafter finds continuations), at caps 1 and 16, the runs interleaved step
-   by step: `none`, and `goodput` with one micro-batch per step, deciding per step, and with two forced. Output
-   tokens/s, tokens per request-step, tree nodes per request-step, steps split into micro-batches, drafting hidden
-   behind verifies, and the step-time model's median error (the datasheet roofline fitted at start-up by
-   `fit_step_model`, then refit online from the steps).
+   with one stretch repeated), at most 8 running, through the orchestrator with every policy, with 2 micro-batches
+   forced, and with micro-batches decided per step. The drafter runs on its prompt and self-output indexes (no
+   datastore): this random model repeats itself enough for them. Outputs against plain greedy decoding
+   (`orchestrator.spec_loop.generate`), token for token, and the KV blocks free afterwards.
+2. The budget on a real shape's step times. Llama-3.1-8B's shape in bf16 at caps 1 and 16, the runs interleaved step
+   by step: `none`, `fixed:4`, `fixed:16`, and `goodput` with one micro-batch per step, deciding per step, and with
+   two forced. That random model hardly repeats itself, so the drafter also gets a datastore of its own greedy
+   continuations of every other prompt: half the requests find their answer retrieved (retrieval's best case), the
+   other half only what their prompt and output repeat. Output tokens/s, tokens per request-step, tree nodes per
+   request-step, steps split into micro-batches, drafting hidden behind verifies, and the step-time model's median
+   error (the datasheet roofline fitted at start-up by `fit_step_model`, then refit online from the steps).
 
 Without CUDA (and without --device cpu) it says so and exits 0. Writes gpu_orchestrator.json (+ .md) to --out-dir.
 """
@@ -36,7 +37,7 @@ from benchmarks.gpu_verify_cost import datasheet_for
 RESULTS = Path(__file__).resolve().parent / "results"
 LOSSLESS_RUNS = (("none", 1), ("fixed:4", 1), ("fixed:16", 1), ("roofline", 1), ("goodput", 1),
                  ("fixed:4", 2), ("goodput", 2), ("goodput", None))
-SPEED_RUNS = (("none", 1), ("goodput", 1), ("goodput", None), ("goodput", 2))
+SPEED_RUNS = (("none", 1), ("fixed:4", 1), ("fixed:16", 1), ("goodput", 1), ("goodput", None), ("goodput", 2))
 
 
 def repeating_prompts(n: int, vocab: int, rng: np.random.Generator) -> list[list[int]]:
@@ -51,10 +52,8 @@ def repeating_prompts(n: int, vocab: int, rng: np.random.Generator) -> list[list
     return prompts
 
 
-def build(model_name: str, dtype, device, *, num_blocks: int, max_context: int, tie_embeddings: bool = False):
-    """A random-weight engine of a bundled shape, and the step-time model fitted to it at start-up. `tie_embeddings`
-    ties the LM head to the input embedding (the same matrix, so the same step cost): a random model then tends to
-    repeat its last token, which gives the drafter something to find."""
+def build(model_name: str, dtype, device, *, num_blocks: int, max_context: int):
+    """A random-weight engine of a bundled shape, and the step-time model fitted to it at start-up."""
     import torch
 
     from orchestrator.profiling import fit_step_model, measure_hardware
@@ -65,8 +64,6 @@ def build(model_name: str, dtype, device, *, num_blocks: int, max_context: int, 
 
     config = {"rope_theta": 500000.0, "rms_norm_eps": 1e-5, "model_type": "llama", **model_config(model_name)}
     config = {k: v for k, v in config.items() if not k.startswith("_")}
-    if tie_embeddings:
-        config["tie_word_embeddings"] = True
     model = Transformer.random(config, dtype=dtype, device=device)
     engine = TorchEngine(model, dtype=dtype, device=device, num_blocks=num_blocks, max_context=max_context)
     dtype_name = "float32" if dtype == torch.float32 else "bfloat16"
@@ -82,14 +79,15 @@ class _Run:
     """One (policy, micro-batches) orchestrator over the prompts, timed on its own clock (the sum of its steps)."""
 
     def __init__(self, engine, step_model, policy: str, micro_batches: int | None, prompts: list[list[int]], *,
-                 cap: int, max_tokens: int):
+                 cap: int, max_tokens: int, datastores: tuple = ()):
         from drafter.drafter import Drafter, DrafterConfig
         from orchestrator.budget import BudgetController, BudgetPolicy
         from orchestrator.core import Orchestrator
         from orchestrator.request import GenerationRequest
 
         self.policy, self.micro_batches, self.cap = policy, micro_batches, cap
-        drafter = Drafter(DrafterConfig(sources="input", max_budget=64), vocab_size=engine.vocab_size)
+        drafter = Drafter(DrafterConfig(sources="fused" if datastores else "input", max_budget=64),
+                          datastores=datastores, vocab_size=engine.vocab_size)
         controller = BudgetController(BudgetPolicy.parse(policy), step_model.clone())
         self.orchestrator = Orchestrator(engine, drafter, controller, max_running=cap, micro_batches=micro_batches)
         self.outputs: dict[str, list[int]] = {}
@@ -138,15 +136,16 @@ class _Run:
         }
 
 
-def serve_together(engine, step_model, runs: tuple, prompts: list[list[int]], *, cap: int,
-                   max_tokens: int) -> list[dict]:
+def serve_together(engine, step_model, runs: tuple, prompts: list[list[int]], *, cap: int, max_tokens: int,
+                   datastores: tuple = ()) -> list[dict]:
     """Every (policy, micro-batches) run over the same prompts (all submitted at once, at most `cap` running, each
     request exactly `max_tokens` long, EOS ignored), interleaved step by step: the next step is always the one of the
     run furthest behind in its work, so a drift of the machine's speed (clocks, the host's load) hits every run alike
     (`benchmarks.throughput.serve_side_by_side`'s rule). Each run's time is the sum of its own steps."""
     free_before = engine.free_blocks()
     engine.reset_prefix_cache()
-    active = [_Run(engine, step_model, policy, mb, prompts, cap=cap, max_tokens=max_tokens) for policy, mb in runs]
+    active = [_Run(engine, step_model, policy, mb, prompts, cap=cap, max_tokens=max_tokens, datastores=datastores)
+              for policy, mb in runs]
     while busy := [r for r in active if not r.orchestrator.idle]:
         min(busy, key=lambda r: r.progress).step()
     engine.reset_prefix_cache()
@@ -174,43 +173,61 @@ def lossless(device, *, requests: int, max_tokens: int) -> dict:
             "cap": 8, "fit_error": fit_error, "runs": runs}
 
 
-def speed(device, model_name: str, *, caps: tuple[int, ...], requests_per_cap: dict[int, int], max_tokens: int) -> dict:
+def speed(device, model_name: str, *, caps: tuple[int, ...], requests_per_cap: dict[int, int],
+          max_tokens: int) -> dict:
+    import tempfile
+
     import torch
 
-    engine, step_model, fit_error = build(model_name, torch.bfloat16, device, num_blocks=4096, max_context=1024,
-                                          tie_embeddings=True)
+    from datastore import Datastore, build_from_token_docs
+    from orchestrator.spec_loop import generate
+
+    engine, step_model, fit_error = build(model_name, torch.bfloat16, device, num_blocks=4096, max_context=1024)
     rng = np.random.default_rng(1)
-    # untimed: whatever compiles or allocates on first use (prefill shapes, the micro-batch worker) does so here
-    serve_together(engine, step_model, (("none", 1), ("goodput", 2)), repeating_prompts(2, engine.vocab_size, rng),
-                   cap=2, max_tokens=8)
+    prompts_by_cap = {cap: repeating_prompts(requests_per_cap[cap], engine.vocab_size, rng) for cap in caps}
+    # A random model hardly repeats itself, so the drafter also gets a datastore: the model's own greedy
+    # continuations of every other prompt (computed here, plain decoding). Half the requests then find their
+    # answer retrieved (the best case of retrieval), the other half only what their prompt and output repeat.
+    docs = []
+    for cap, prompts in prompts_by_cap.items():
+        answered = prompts[::2]
+        reference, _ = generate(engine, answered, max_new_tokens=max_tokens, stop_at_eos=False, id_prefix=f"ref{cap}")
+        docs += [np.asarray(p + r, np.int64) for p, r in zip(answered, reference)]
     rows = []
-    for cap in caps:
-        prompts = repeating_prompts(requests_per_cap[cap], engine.vocab_size, rng)
-        baseline = None
-        for run in serve_together(engine, step_model, SPEED_RUNS, prompts, cap=cap, max_tokens=max_tokens):
-            outputs = run.pop("outputs")
-            baseline = baseline or (run["tokens_per_s"], outputs)
-            run["speedup_over_none"] = run["tokens_per_s"] / baseline[0]
-            # bf16 on a GPU is not batch-invariant: the batch's shape may flip a near-tie (reported, not a goal)
-            run["identical_to_none_fraction"] = sum(a == b for a, b in zip(outputs, baseline[1])) / len(outputs)
-            rows.append(run)
-            print(f"speed cap {cap:<3d} {run['policy']:8s} micro-batches {run['micro_batches']!s:8s} "
-                  f"{run['tokens_per_s']:8.1f} tok/s ({run['speedup_over_none']:.2f}x none), "
-                  f"{run['nodes_per_request_step']:.1f} nodes/request-step, {run['split_steps']}/{run['steps']} "
-                  f"split, step err {run['step_model_median_abs_err'] or 0:.1%}", flush=True)
-    return {"model_shape": f"{model_name} (random weights, LM head tied to the embedding, bf16)",
-            "max_tokens": max_tokens, "fit_error": fit_error, "hardware": step_model.hardware.name, "rows": rows}
+    with tempfile.TemporaryDirectory(prefix="gpu-orchestrator-") as folder:
+        datastores = (Datastore.open(build_from_token_docs(docs, Path(folder) / "answers", vocab_size=engine.vocab_size,
+                                                           tokenizer_id="random-weights")),)
+        # untimed: whatever compiles or allocates on first use (prefill shapes, the micro-batch worker) does so here
+        serve_together(engine, step_model, (("none", 1), ("goodput", 2)), prompts_by_cap[caps[0]][:2], cap=2,
+                       max_tokens=8, datastores=datastores)
+        for cap in caps:
+            baseline = None
+            for run in serve_together(engine, step_model, SPEED_RUNS, prompts_by_cap[cap], cap=cap,
+                                      max_tokens=max_tokens, datastores=datastores):
+                outputs = run.pop("outputs")
+                baseline = baseline or (run["tokens_per_s"], outputs)
+                run["speedup_over_none"] = run["tokens_per_s"] / baseline[0]
+                # bf16 on a GPU is not batch-invariant: the batch's shape may flip a near-tie (reported, not a goal)
+                run["identical_to_none_fraction"] = sum(a == b for a, b in zip(outputs, baseline[1])) / len(outputs)
+                rows.append(run)
+                print(f"speed cap {cap:<3d} {run['policy']:8s} micro-batches {run['micro_batches']!s:8s} "
+                      f"{run['tokens_per_s']:8.1f} tok/s ({run['speedup_over_none']:.2f}x none), "
+                      f"{run['nodes_per_request_step']:.1f} nodes/request-step, {run['split_steps']}/{run['steps']} "
+                      f"split, step err {run['step_model_median_abs_err'] or 0:.1%}", flush=True)
+    return {"model_shape": f"{model_name} (random weights, bf16)",
+            "max_tokens": max_tokens, "fit_error": fit_error, "hardware": step_model.hardware.name,
+            "torch_threads": torch.get_num_threads(), "datastore": "the model's greedy outputs for every other prompt",
+            "rows": rows}
 
 
 def write_markdown(path: Path, result: dict) -> None:
     x = result["lossless"]
     lines = [f"# The serving core on {result['device']}", "",
              f"Command: `{result['command']}`. torch {result['torch']}. Random weights (no checkpoint travels to the "
-             "GPU machine); the drafter uses its prompt and self-output indexes only, so acceptance reflects a random "
-             "model repeating itself, not real text.", "",
+             "GPU machine), so acceptance here says nothing about real text.", "",
              "## Lossless through the orchestrator on this device", "",
              f"{x['model_shape']}, {x['requests']} requests x {x['max_tokens']} tokens, at most {x['cap']} running; "
-             "outputs against plain greedy decoding.", "",
+             "the drafter on its prompt and self-output indexes; outputs against plain greedy decoding.", "",
              "| policy | micro-batches | identical outputs | draft tokens accepted | steps split | KV freed |",
              "|---|---|---|---|---|---|"]
     lines += [f"| {r['policy']} | {r['micro_batches']} | {r['identical_outputs_fraction']:.0%} | "
@@ -219,8 +236,11 @@ def write_markdown(path: Path, result: dict) -> None:
               for r in x["runs"]]
     s = result["speed"]
     lines += ["", f"## The budget on {s['model_shape']} step times", "",
-              f"{s['max_tokens']} tokens per request, EOS ignored. Step-time model: {s['hardware']} roofline, "
-              f"fitted at start-up (median error on the sweep {s['fit_error']:.1%}), refit online.", "",
+              f"{s['max_tokens']} tokens per request, EOS ignored. Drafter: prompt and self-output indexes"
+              + (f", and a datastore of {s['datastore']}" if s.get("datastore") else "")
+              + (f"; torch CPU threads {s['torch_threads']}" if s.get("torch_threads") else "")
+              + f". Step-time model: {s['hardware']} roofline, fitted at start-up (median error on the sweep "
+              f"{s['fit_error']:.1%}), refit online.", "",
               "| cap | policy | micro-batches | tok/s | x none | tokens / request-step | nodes / request-step "
               "| steps split | drafting hidden s | drafting waited s | verify s | step model err | same as none |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
