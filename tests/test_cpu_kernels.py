@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from trt_engines.cpu_kernels import (_ROWS_PER_TASK, VECTOR_FLOATS, Bf16Linear, TreeAttentionLayout, bf16_bits,
-                                     tree_attention, tree_attention_bits)
+                                     huge_page_array, tree_attention, tree_attention_bits)
 
 HYP = settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 REPO = Path(__file__).resolve().parents[1]
@@ -132,6 +132,27 @@ def test_linear_does_not_depend_on_the_thread_count():
         with _numba_threads(n):
             outputs.append(linear(x, fp32_out=True))
     assert all(torch.equal(outputs[0], o) for o in outputs[1:])
+
+
+def test_huge_page_arrays_are_zeroed_writable_and_aligned_to_their_pages():
+    import mmap
+
+    big = huge_page_array((3 << 18, 8), np.uint32)  # 24 MB: twelve huge pages
+    assert big.shape == (3 << 18, 8) and big.dtype == np.uint32 and big.flags.c_contiguous and big.flags.writeable
+    assert not big.any()
+    big[-1, -1] = 7  # the last element lies inside the mapping
+    assert big.sum() == 7
+    if hasattr(mmap, "MADV_HUGEPAGE") and hasattr(mmap, "MAP_ANONYMOUS"):
+        assert big.ctypes.data % (2 << 20) == 0
+    small = huge_page_array((5, 3), np.float32)  # under one huge page: ordinary memory
+    assert small.shape == (5, 3) and not small.any()
+    # a weight packed into such memory gives the same outputs as the product it stands for (the tests above)
+    rng = np.random.default_rng(3)
+    weight, x = _bf16(rng, 2048, 576), _bf16(rng, 3, 576)
+    linear = Bf16Linear(weight)
+    assert linear.packed.ctypes.data % (2 << 20) == 0 or not hasattr(mmap, "MADV_HUGEPAGE")
+    expected = (x.float() @ weight.float().T).to(torch.bfloat16)
+    assert (linear(x).float() - expected.float()).abs().max() <= expected.float().abs().max() * 2 ** -7
 
 
 @contextlib.contextmanager

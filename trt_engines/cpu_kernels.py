@@ -36,6 +36,7 @@ on request, for tests).
 from __future__ import annotations
 
 import functools
+import mmap
 import os
 import platform
 
@@ -83,6 +84,34 @@ def _checked_threads(threads: int) -> int:
     if threads < 1:
         raise ValueError(f"threads must be >= 1 (numba.get_num_threads()); got {threads}")
     return threads
+
+
+_HUGE_PAGE = 2 << 20  # bytes of an x86-64 transparent huge page
+
+
+def huge_page_array(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """A zeroed array in anonymous memory the kernel is asked to back with transparent huge pages (madvise
+    MADV_HUGEPAGE, start aligned to 2 MB); np.zeros where the platform has no such advice or the array is under 2 MB.
+
+    For the weight streams of `Bf16Linear`: in 4 KB pages, a stream crosses a page every 4 KB, and each crossing
+    costs a TLB miss and a restart of the hardware prefetcher. One-off A/B over the default model's linear layers
+    (2-core AVX2 EPYC, THP "madvise", 40 paired rounds, against a fresh copy in ordinary pages): one or two rows
+    0.95-0.96x the time, four to six rows 0.97-0.99x, eight or more unchanged. In whole verify steps (one request,
+    context ~400, 80 paired rounds) a plain step took 0.98x and a 4-node step 0.99x: a small gain, near the noise.
+    Where THP is "never" the advice does nothing and the array is ordinary memory."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is None or not hasattr(mmap, "MAP_ANONYMOUS") or nbytes < _HUGE_PAGE:
+        return np.zeros(shape, dtype)
+    region = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        region.madvise(advice)
+    except OSError:  # a kernel without THP refuses the advice: ordinary pages
+        pass
+    raw = np.frombuffer(region, np.uint8)  # holds the mapping alive as long as any view of it
+    start = -raw.ctypes.data % _HUGE_PAGE
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 def bf16_bits(t: Tensor) -> np.ndarray:
@@ -532,7 +561,8 @@ class Bf16Linear:
         features = np.ascontiguousarray(bits.reshape(tiles, LANES, self.in_features).transpose(0, 2, 1))
         # ... paired: uint32 j of a row holds feature j in its low half and feature j + VECTOR_FLOATS in its high half
         first, second = features[..., :VECTOR_FLOATS].astype(np.uint32), features[..., VECTOR_FLOATS:].astype(np.uint32)
-        self.packed = (first | (second << np.uint32(16))).reshape(-1, VECTOR_FLOATS)
+        self.packed = huge_page_array((tiles * self.in_features, VECTOR_FLOATS), np.uint32)  # streamed every call
+        self.packed[...] = (first | (second << np.uint32(16))).reshape(-1, VECTOR_FLOATS)
         self.bias = np.zeros(bits.shape[0], np.float32)
         if bias is not None:
             self.bias[: self.out_features] = bias.detach().float().numpy()
