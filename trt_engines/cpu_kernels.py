@@ -580,11 +580,16 @@ class Bf16Linear:
         """`__call__` on bf16 bits: xb [T, K] uint16 -> [T, N] uint16 (a view when N is padded). `threads`: numba's
         thread count where the caller has it already (`FusedCpuDecoder` asks once per forward for its 120 layers:
         `numba.get_num_threads` takes a lock: ~1.5 us a call, one-off on a 2-core AVX2 EPYC)."""
-        out = np.empty((xb.shape[0], self.bias.shape[0]), np.float32 if fp32_out else np.uint16)
+        rows = xb.shape[0]
+        out = np.empty((rows, self.bias.shape[0]), np.float32 if fp32_out else np.uint16)
         threads = numba.get_num_threads() if threads is None else _checked_threads(threads)
         tasks = min(self.bias.shape[0] // LANES, threads * _TASKS_PER_THREAD)
-        for start in range(0, xb.shape[0], _ROW_CHUNK):
-            _linear_kernel(xb[start:start + _ROW_CHUNK], self.packed, self.bias, out[start:start + _ROW_CHUNK], tasks)
+        if rows <= _ROW_CHUNK:  # a verify step's rows: one call on the arrays themselves, no views to make
+            _linear_kernel(xb, self.packed, self.bias, out, tasks)
+        else:
+            for start in range(0, rows, _ROW_CHUNK):
+                _linear_kernel(xb[start:start + _ROW_CHUNK], self.packed, self.bias, out[start:start + _ROW_CHUNK],
+                               tasks)
         return out if out.shape[1] == self.out_features else out[:, : self.out_features]
 
 
