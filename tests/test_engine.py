@@ -463,6 +463,10 @@ def test_the_engine_sets_torch_threads_it_is_given():
     model = Transformer.random(tiny, dtype=torch.float32)
     before = torch.get_num_threads()
     try:
+        with pytest.raises(ValueError, match="max_context"):  # a refused engine changes nothing
+            TorchEngine(model, dtype=torch.float32, device="cpu", num_blocks=8, torch_threads=before + 1,
+                        max_context=10**6)
+        assert torch.get_num_threads() == before
         TorchEngine(model, dtype=torch.float32, device="cpu", num_blocks=8, torch_threads=1)
         assert torch.get_num_threads() == 1
         TorchEngine(model, dtype=torch.float32, device="cpu", num_blocks=8)  # None on the CPU: left as it is

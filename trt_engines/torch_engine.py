@@ -275,9 +275,10 @@ def host_torch_threads(device: torch.device, requested: int | None, environ=os.e
     `requested` wins. On a GPU the default is one thread, unless the environment's OMP_NUM_THREADS names a count (as
     vLLM's GPU workers do): the host only packs inputs and launches kernels there, and torch's CPU pool (a thread
     per core by default) made each of the forward's few small CPU ops wake every core, beside the drafter's numba
-    threads. On an H100 host with 16 cores an 8B-shape verify step of one request took 36 ms (median) with 16
-    threads and 25.5 with one, and one orchestrator's steps 101 ms, then 25.7, among others taking turns with it
-    (`benchmarks/results/gpu_orchestrator.md`, Notes). On the CPU the forward itself runs on those threads."""
+    threads. On an H100 host with 16 cores, four orchestrators taking turns (one request each, Llama-3.1-8B's
+    shape): with 16 threads their verify steps took 36-38 ms (median), and `none`'s 101 ms; with one thread all four
+    took 25.4-25.7 ms (`benchmarks/results/gpu_orchestrator.md`, Notes). On the CPU the forward itself runs on
+    those threads, and they are left as the process has them."""
     if requested is not None:
         if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
             raise ValueError(f"torch_threads must be an int >= 1 (or None: the device's default); got {requested!r}")
@@ -345,9 +346,7 @@ class TorchEngine:
         torch_threads: int | None = None,
     ):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        threads = host_torch_threads(self.device, torch_threads)
-        if threads is not None and threads != torch.get_num_threads():
-            torch.set_num_threads(threads)  # process-wide, as torch has it (`host_torch_threads`)
+        threads = host_torch_threads(self.device, torch_threads)  # checked now, set once the engine is built
         self.dtype = dtype
         # Where bf16 verify steps run numba kernels (`trt_engines.cpu_kernels`, batch-invariant by construction):
         # "numba", linear layers and verify attention (the fast path on CPUs without bf16 dot-product instructions,
@@ -419,6 +418,8 @@ class TorchEngine:
                                for layer in range(args.n_layers)]
         # verify steps on the numba attention run the whole forward over bf16 bits (`cpu_forward`)
         self._fused = FusedCpuDecoder(self.model) if self.kernel_attention else None
+        if threads is not None and threads != torch.get_num_threads():
+            torch.set_num_threads(threads)  # process-wide, as torch has it (`host_torch_threads`)
 
     @property
     def kernel_linears(self) -> bool:
