@@ -837,6 +837,47 @@ def tree_attention_bits(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, l
     return out
 
 
+@njit(cache=_CACHE)
+def _attention_tasks(segment_rows: np.ndarray, kv_heads: int, group: int, workers: int, most: int):
+    """`TreeAttentionLayout.tasks` (its docstring): (segment, KV head, first row, rows) per task, each run of tasks
+    padded with empty ones to the longest run's count. One numba call instead of a dozen numpy ones per forward:
+    for one request of 5 rows, 3 KV heads and 2 threads, 4.7 instead of 126 us (one-off, 2-core AVX2 EPYC; the
+    same tasks as the numpy version on 3000 random layouts)."""
+    pairs = segment_rows.shape[0] * kv_heads
+    pair_start = np.zeros(pairs + 1, np.int64)  # (segment, KV head) pairs, segment-major: their first query rows
+    for p in range(pairs):
+        pair_start[p + 1] = pair_start[p] + segment_rows[p // kv_heads] * group
+    total = pair_start[pairs]
+    # pieces: the nonempty intersections of a pair's rows and a run's (run w holds rows w * total // workers ..),
+    # walked in row order; a piece of `length` rows takes ceil(length / most) tasks of near-equal size
+    count = np.zeros(workers, np.int64)
+    for stage in range(2):  # count each run's tasks, then fill them in
+        if stage == 1:
+            width = count.max()
+            columns = np.zeros((4, workers * width), np.int64)
+            count[:] = 0
+        p, w, low = 0, 0, 0
+        while low < total:
+            while pair_start[p + 1] <= low:
+                p += 1
+            while (w + 1) * total // workers <= low:
+                w += 1
+            high = min(pair_start[p + 1], (w + 1) * total // workers)
+            length = high - low
+            chunks = -(-length // most)
+            offset = low - pair_start[p]
+            for part in range(chunks):
+                if stage == 1:
+                    at = w * width + count[w]
+                    columns[0, at] = p // kv_heads
+                    columns[1, at] = p % kv_heads
+                    columns[2, at] = offset + part * length // chunks
+                    columns[3, at] = offset + (part + 1) * length // chunks - columns[2, at]
+                count[w] += 1
+            low = high
+    return columns[0], columns[1], columns[2], columns[3]
+
+
 class TreeAttentionLayout:
     """Where each segment of a packed forward finds its rows, keys and mask (built once per forward, read by every
     layer's `tree_attention`). `segments`: (first packed row, context length, flat slots of its keys
@@ -875,25 +916,5 @@ class TreeAttentionLayout:
         computes a row changes none of its bits (`_tree_attention_kernel`)."""
         key = (kv_heads, group, workers)
         if key not in self._tasks:
-            rows = np.repeat(self.rows * group, kv_heads)  # per (segment, KV head), segment-major
-            pair_start = np.concatenate([[0], np.cumsum(rows)])
-            run_start = np.arange(workers + 1) * pair_start[-1] // workers
-            # pieces: the nonempty intersections of a pair's rows and a run's, in row order
-            cuts = np.union1d(pair_start, run_start)
-            low, length = cuts[:-1], np.diff(cuts)
-            pair = np.searchsorted(pair_start, low, side="right") - 1
-            run = np.searchsorted(run_start, low, side="right") - 1
-            chunks = -(-length // _ROWS_PER_TASK)  # tasks per piece
-            piece = np.repeat(np.arange(len(low)), chunks)
-            part = np.arange(len(piece)) - np.repeat(np.cumsum(chunks) - chunks, chunks)  # task number in its piece
-            offset = low[piece] - pair_start[pair[piece]]  # the piece's first row within its pair
-            first = offset + part * length[piece] // chunks[piece]
-            end = offset + (part + 1) * length[piece] // chunks[piece]
-            per_run = np.bincount(run[piece], minlength=workers)
-            width = int(per_run.max())
-            at = run[piece] * width + np.arange(len(piece)) - np.repeat(np.cumsum(per_run) - per_run, per_run)
-            tasks = tuple(np.zeros(workers * width, np.int64) for _ in range(4))
-            for column, values in zip(tasks, (pair[piece] // kv_heads, pair[piece] % kv_heads, first, end - first)):
-                column[at] = values
-            self._tasks[key] = tasks
+            self._tasks[key] = _attention_tasks(self.rows, kv_heads, group, workers, _ROWS_PER_TASK)
         return self._tasks[key]
