@@ -60,18 +60,11 @@ def test_plots_come_from_the_committed_results(tmp_path):
     assert made and all((tmp_path / name).stat().st_size > 1000 for name in made)
 
 
-def test_gpu_verify_cost_without_cuda_says_so_and_writes_nothing(tmp_path, capsys):
+@pytest.mark.parametrize("benchmark", [gpu_verify_cost, gpu_orchestrator], ids=lambda m: m.__name__.split(".")[-1])
+def test_a_gpu_benchmark_without_cuda_says_so_and_writes_nothing(benchmark, tmp_path, capsys):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the benchmark would run for real")
-    assert gpu_verify_cost.main(["--out-dir", str(tmp_path)]) == 0
-    assert "no CUDA device" in capsys.readouterr().out
-    assert not list(tmp_path.iterdir())
-
-
-def test_gpu_orchestrator_without_cuda_says_so_and_writes_nothing(tmp_path, capsys):
-    if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA: the benchmark would run for real")
-    assert gpu_orchestrator.main(["--out-dir", str(tmp_path)]) == 0
+    assert benchmark.main(["--out-dir", str(tmp_path)]) == 0
     assert "no CUDA device" in capsys.readouterr().out
     assert not list(tmp_path.iterdir())
 
