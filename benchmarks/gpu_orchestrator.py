@@ -75,82 +75,49 @@ def build(model_name: str, dtype, device, *, num_blocks: int, max_context: int):
     return engine, step_model, fit_error
 
 
-class _Run:
-    """One (policy, micro-batches) orchestrator over the prompts, timed on its own clock (the sum of its steps)."""
-
-    def __init__(self, engine, step_model, policy: str, micro_batches: int | None, prompts: list[list[int]], *,
-                 cap: int, max_tokens: int, datastores: tuple = ()):
-        from drafter.drafter import Drafter, DrafterConfig
-        from orchestrator.budget import BudgetController, BudgetPolicy
-        from orchestrator.core import Orchestrator
-        from orchestrator.request import GenerationRequest
-
-        self.policy, self.micro_batches, self.cap = policy, micro_batches, cap
-        drafter = Drafter(DrafterConfig(sources="fused" if datastores else "input", max_budget=64),
-                          datastores=datastores, vocab_size=engine.vocab_size)
-        controller = BudgetController(BudgetPolicy.parse(policy), step_model.clone())
-        self.orchestrator = Orchestrator(engine, drafter, controller, max_running=cap, micro_batches=micro_batches)
-        self.outputs: dict[str, list[int]] = {}
-        self.accepted = 0
-        self.elapsed = 0.0
-        self.to_generate = max_tokens * len(prompts)
-        tag = f"{policy.replace(':', '')}-mb{micro_batches}"
-        # each run its own prefix-cache salt: a prompt another run prefilled would make this run's prefill free
-        self.ids = [self.orchestrator.submit(GenerationRequest(prompt_ids=tuple(p), max_tokens=max_tokens,
-                                                               ignore_eos=True, cache_salt=tag),
-                                             self.collect, request_id=f"{tag}-{i}") for i, p in enumerate(prompts)]
-
-    def collect(self, out) -> None:
-        self.outputs.setdefault(out.request_id, []).extend(out.token_ids)
-        if out.finished:
-            self.accepted += out.stats.accepted
-
-    @property
-    def progress(self) -> float:
-        return sum(len(v) for v in self.outputs.values()) / self.to_generate
-
-    def step(self) -> None:
-        started = time.perf_counter()
-        self.orchestrator.step()
-        self.elapsed += time.perf_counter() - started
-
-    def summary(self) -> dict:
-        records = list(self.orchestrator.records)
-        request_steps = sum(r.batch for r in records)
-        errors = [abs(r.predicted_s / r.measured_s - 1) for r in records if r.measured_s > 0]
-        tokens = sum(len(self.outputs[i]) for i in self.ids)
-        return {
-            "policy": self.policy, "micro_batches": "per step" if self.micro_batches is None else self.micro_batches,
-            "cap": self.cap, "requests": len(self.ids), "outputs": [self.outputs[i] for i in self.ids],
-            "tokens": tokens, "seconds": self.elapsed, "tokens_per_s": tokens / self.elapsed,
-            "accepted_draft_tokens": self.accepted,
-            "tokens_per_request_step": (tokens - len(self.ids)) / max(request_steps, 1),
-            "nodes_per_request_step": sum(sum(r.nodes) for r in records) / max(request_steps, 1),
-            "steps": len(records), "split_steps": sum(r.micro_batches > 1 for r in records),
-            "drafting_hidden_s": sum(r.overlapped_draft_s for r in records),
-            "drafting_waited_s": sum(r.draft_s for r in records),
-            "verify_s": sum(r.measured_s for r in records),
-            "prefill_s": sum(sum(r.prefill_s) for r in records),
-            "step_model_median_abs_err": float(np.median(errors)) if errors else None,
-            "drafter_fallbacks": self.orchestrator.drafter_fallbacks,
-        }
-
-
 def serve_together(engine, step_model, runs: tuple, prompts: list[list[int]], *, cap: int, max_tokens: int,
                    datastores: tuple = ()) -> list[dict]:
     """Every (policy, micro-batches) run over the same prompts (all submitted at once, at most `cap` running, each
-    request exactly `max_tokens` long, EOS ignored), interleaved step by step: the next step is always the one of the
-    run furthest behind in its work, so a drift of the machine's speed (clocks, the host's load) hits every run alike
-    (`benchmarks.throughput.serve_side_by_side`'s rule). Each run's time is the sum of its own steps."""
+    request exactly `max_tokens` long, EOS ignored), side by side as the throughput benchmark serves its policies
+    (`benchmarks.throughput.PolicyRun`, `interleave`): the run furthest behind in its work steps next, so a drift of
+    the machine's speed hits every run alike, and each run's time is the sum of its own steps."""
+    from benchmarks.throughput import PolicyRun, interleave
+    from drafter.drafter import Drafter, DrafterConfig
+
+    drafter = Drafter(DrafterConfig(sources="fused" if datastores else "input", max_budget=64),
+                      datastores=datastores, vocab_size=engine.vocab_size)
     free_before = engine.free_blocks()
     engine.reset_prefix_cache()
-    active = [_Run(engine, step_model, policy, mb, prompts, cap=cap, max_tokens=max_tokens, datastores=datastores)
-              for policy, mb in runs]
-    while busy := [r for r in active if not r.orchestrator.idle]:
-        min(busy, key=lambda r: r.progress).step()
+    active = [PolicyRun(engine, drafter.fresh(), step_model, policy, prompts, cap=cap, max_tokens=max_tokens,
+                        lengths=[max_tokens] * len(prompts), micro_batches=mb,
+                        tag=f"{policy.replace(':', '')}-mb{mb}") for policy, mb in runs]
+    interleave(active)
     engine.reset_prefix_cache()
     freed = engine.free_blocks() == free_before
-    return [{**r.summary(), "kv_blocks_freed": freed} for r in active]
+    return [{**_summary(r, policy, mb, cap), "kv_blocks_freed": freed} for r, (policy, mb) in zip(active, runs)]
+
+
+def _summary(run, policy: str, micro_batches: int | None, cap: int) -> dict:
+    records = list(run.orchestrator.records)
+    request_steps = sum(r.batch for r in records)
+    errors = [abs(r.predicted_s / r.measured_s - 1) for r in records if r.measured_s > 0]
+    outputs = [run.outputs[i] for i in run.ids]
+    tokens = sum(map(len, outputs))
+    return {
+        "policy": policy, "micro_batches": "per step" if micro_batches is None else micro_batches, "cap": cap,
+        "requests": len(run.ids), "outputs": outputs, "tokens": tokens, "seconds": run.elapsed,
+        "tokens_per_s": tokens / run.elapsed,
+        "accepted_draft_tokens": sum(r.realized_tokens - r.batch for r in records),
+        "tokens_per_request_step": (tokens - len(run.ids)) / max(request_steps, 1),
+        "nodes_per_request_step": sum(sum(r.nodes) for r in records) / max(request_steps, 1),
+        "steps": len(records), "split_steps": sum(r.micro_batches > 1 for r in records),
+        "drafting_hidden_s": sum(r.overlapped_draft_s for r in records),
+        "drafting_waited_s": sum(r.draft_s for r in records),
+        "verify_s": sum(r.measured_s for r in records),
+        "prefill_s": sum(sum(r.prefill_s) for r in records),
+        "step_model_median_abs_err": float(np.median(errors)) if errors else None,
+        "drafter_fallbacks": run.orchestrator.drafter_fallbacks,
+    }
 
 
 def lossless(device, *, requests: int, max_tokens: int) -> dict:

@@ -78,11 +78,14 @@ def warm_up(engine, drafter, step_model) -> None:
     engine.reset_prefix_cache()
 
 
-class _PolicyRun:
-    """One policy's orchestrator and its own clock: the summed wall time of its own steps only."""
+class PolicyRun:
+    """One policy's orchestrator and its own clock: the summed wall time of its own steps only. `micro_batches`:
+    the orchestrator's (None: decided per step); `tag` names its requests and prefix-cache salt (default: the
+    policy), so two runs of one policy can serve side by side."""
 
     def __init__(self, engine, drafter, step_model, policy: str, prompts: list[np.ndarray], *, cap: int,
-                 max_tokens: int, lengths: list[int] | None = None):
+                 max_tokens: int, lengths: list[int] | None = None, micro_batches: int | None = None,
+                 tag: str | None = None):
         self.elapsed = 0.0
         self.step_started: float | None = None
         # Each controller owns its step-time model, as a served orchestrator does: the start-up fit, then refit
@@ -90,14 +93,14 @@ class _PolicyRun:
         # policy and every group of the run would predict a cap-1 step from a fit dominated by other batch shapes.
         controller = BudgetController(BudgetPolicy.parse(policy), step_model.clone())
         self.orchestrator = Orchestrator(engine, drafter, controller, max_running=cap, clock=self.clock,
-                                         offline_batch=True)
+                                         offline_batch=True, micro_batches=micro_batches)
         self.finished: dict[str, float] = {}
         self.outputs: dict[str, list[int]] = {}
         self.steps: dict[str, int] = {}
         self.generated = 0
         self.to_generate = sum(lengths) if lengths is not None else max_tokens * len(prompts)  # at most, with EOS
         self.shared_steps = self.own_steps = 0  # steps taken while every other policy was busy too / all its steps
-        tag = policy.replace(":", "")
+        tag = tag or policy.replace(":", "")
         # `lengths`: exactly that many tokens per request, EOS ignored (the same work for every policy). The salt
         # keeps each policy's prompts in its own prefix cache: they share the chat template's blocks with each other,
         # as a served batch does, but never a prompt another policy prefilled.
@@ -152,15 +155,18 @@ def serve_side_by_side(engine, drafter, step_model, policies: list[str], prompts
     `lengths` (per prompt) fixes every request's output length, EOS ignored; otherwise up to `max_tokens` or EOS.
     """
     engine.reset_prefix_cache()  # an earlier run's blocks of these prompts would make their prefills free
-    runs = {p: _PolicyRun(engine, drafter.fresh(), step_model, p, prompts, cap=cap, max_tokens=max_tokens,
-                          lengths=lengths)
+    runs = {p: PolicyRun(engine, drafter.fresh(), step_model, p, prompts, cap=cap, max_tokens=max_tokens,
+                         lengths=lengths)
             for p in policies}
-    while True:
-        busy = [r for r in runs.values() if not r.orchestrator.idle]
-        if not busy:
-            break
-        min(busy, key=lambda r: r.progress).step(shared=len(busy) == len(runs))  # ties: the first in `policies`
+    interleave(list(runs.values()))
     return {p: _summarize_run(r) for p, r in runs.items()}
+
+
+def interleave(runs: list[PolicyRun]) -> None:
+    """Step the runs until all are idle, always the one furthest behind in its work (`serve_side_by_side`; ties:
+    the first in `runs`)."""
+    while busy := [r for r in runs if not r.orchestrator.idle]:
+        min(busy, key=lambda r: r.progress).step(shared=len(busy) == len(runs))
 
 
 def serve(engine, drafter, step_model, policy: str, prompts: list[np.ndarray], *, cap: int, max_tokens: int):
@@ -168,7 +174,7 @@ def serve(engine, drafter, step_model, policy: str, prompts: list[np.ndarray], *
     return serve_side_by_side(engine, drafter, step_model, [policy], prompts, cap=cap, max_tokens=max_tokens)[policy]
 
 
-def _summarize_run(run: _PolicyRun) -> dict:
+def _summarize_run(run: PolicyRun) -> dict:
     ids, outputs, steps, orchestrator = run.ids, run.outputs, run.steps, run.orchestrator
     wall = run.elapsed
     latencies = np.array([run.finished[i] for i in ids])
