@@ -262,9 +262,10 @@ class Transformer(nn.Module):
         if positions.device.type != "cpu" or positions.numel() == 0:
             return self._rope_values(positions)
         top = int(positions.max()) + 1
-        if self._rope_cpu is None or top > self._rope_cpu[0].shape[0]:
-            size = max(top, 256, 2 * (0 if self._rope_cpu is None else self._rope_cpu[0].shape[0]))
-            self._rope_cpu = self._rope_values(torch.arange(min(size, max(top, self.args.max_position_embeddings))))
+        have = 0 if self._rope_cpu is None else self._rope_cpu[0].shape[0]
+        if top > have:
+            size = min(max(top, 256, 2 * have), max(top, self.args.max_position_embeddings))
+            self._rope_cpu = self._rope_values(torch.arange(size))
         cos, sin = self._rope_cpu
         return cos[positions], sin[positions]
 
