@@ -70,7 +70,7 @@ def build(model_name: str, dtype, device, *, num_blocks: int, max_context: int):
     sheet = datasheet_for(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     hardware = KNOWN_HARDWARE[sheet] if sheet else measure_hardware(device.type, dtypes=(dtype_name,))
     step_model = StepTimeModel(ModelShape.from_config(config), hardware, dtype=dtype_name,
-                               attention_layout=engine.attention_layout)
+                               attention_layout=engine.attention_layout, attention_call_cost=engine.attention_call_cost)
     fit_error = fit_step_model(engine, step_model)
     return engine, step_model, fit_error
 

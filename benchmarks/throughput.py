@@ -61,7 +61,8 @@ def build_stack(dtype: torch.dtype, *, num_blocks: int, max_nodes: int = 64, win
     # the FLOP/s of the kernels the engine runs, in its own dtype only (`measure_hardware`)
     hardware = measure_hardware("cpu", cpu_kernels=engine.kernel_linears, dtypes=(dtype_name,))
     step_model = StepTimeModel(ModelShape.from_config(resolve_model_dir("default")), hardware, dtype=dtype_name,
-                               window=window, attention_layout=engine.attention_layout)
+                               window=window, attention_layout=engine.attention_layout,
+                               attention_call_cost=engine.attention_call_cost)
     fit_error = fit_step_model(engine, step_model)
     warm_up(engine, drafter, step_model)
     return engine, drafter, step_model, fit_error

@@ -37,7 +37,7 @@ from pathlib import Path
 import numba as nb
 import numpy as np
 
-from trt_engines.attention_groups import plan_attention_groups
+from trt_engines.attention_groups import CALL_COST, plan_attention_groups
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
 
@@ -150,6 +150,7 @@ class StepTimeModel:
     # tree makes every request of the step pay for its depth. "grouped": a few such calls, each over requests of
     # similar shape (`trt_engines.attention_groups.plan_attention_groups`: `TorchEngine`).
     attention_layout: str = "packed"
+    attention_call_cost: float = CALL_COST  # "grouped": the engine planner's price of a call (`TorchEngine`'s)
     _samples: deque = field(default=None, repr=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
@@ -220,7 +221,8 @@ class StepTimeModel:
             return float(t.size * self.attention_seconds(rows, (c + t).max() - rows)), 0.0
         if self.attention_layout == "packed" or t.size == 0:
             return float(self.attention_seconds(t, c).sum()), 0.0
-        groups = plan_attention_groups(np.rint(t).astype(np.int64), np.rint(c + t).astype(np.int64))
+        groups = plan_attention_groups(np.rint(t).astype(np.int64), np.rint(c + t).astype(np.int64),
+                                       call_cost=self.attention_call_cost)
         # every request of a call: its deepest tree's query rows over its longest context's keys (one vectorised
         # pass over the calls: the budget controller prices a dozen candidate steps per step this way)
         sizes = np.array([g.size for g in groups])
@@ -299,7 +301,8 @@ class StepTimeModel:
     def clone(self) -> "StepTimeModel":
         """The same model and calibration sweep, with its own (empty) window of online samples."""
         twin = StepTimeModel(self.shape, self.hardware, dtype=self.dtype, coefficients=self.coefficients.copy(),
-                             window=self.window, attention_layout=self.attention_layout)
+                             window=self.window, attention_layout=self.attention_layout,
+                             attention_call_cost=self.attention_call_cost)
         twin._anchors = list(self._anchors)
         return twin
 

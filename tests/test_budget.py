@@ -17,6 +17,7 @@ from drafter.tree import DraftTree
 from orchestrator.budget import BudgetController, BudgetPolicy, prune_tree
 from orchestrator.recalibration import OnlineRecalibration
 from orchestrator.roofline import KNOWN_HARDWARE, HardwareSpec, ModelShape, StepTimeModel
+from trt_engines.attention_groups import call_cost_for
 
 LLAMA_8B = ModelShape.from_config({
     "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -499,6 +500,20 @@ def test_padded_attention_charges_every_request_for_the_deepest_tree():
     assert packed.predict(uneven, context) <= grouped.predict(uneven, context) < padded.predict(uneven, context)
     with pytest.raises(ValueError, match="attention layout"):
         StepTimeModel(LLAMA_8B, KNOWN_HARDWARE["H100-SXM"], attention_layout="ragged")
+
+
+def test_grouped_model_plans_calls_at_the_engines_price():
+    # The model splits a step as the engine does: at a GPU engine's price of a call, a small tree beside plain
+    # requests shares their call, so the model charges no extra call and pads the plain requests to its rows.
+    context, tokens = np.full(16, 600.0), np.array([5.0] + [1.0] * 15)
+    cpu = StepTimeModel(LLAMA_8B, KNOWN_HARDWARE["H100-SXM"], attention_layout="grouped")
+    gpu = StepTimeModel(LLAMA_8B, KNOWN_HARDWARE["H100-SXM"], attention_layout="grouped",
+                        attention_call_cost=call_cost_for("cuda"))
+    assert cpu.extra_attention_calls(tokens, context) == LLAMA_8B.n_layers
+    assert gpu.extra_attention_calls(tokens, context) == 0
+    assert gpu.batch_attention_seconds(tokens, context) == pytest.approx(
+        16 * float(gpu.attention_seconds(5.0, 600.0)))
+    assert gpu.clone().attention_call_cost == call_cost_for("cuda")
 
 
 @pytest.mark.parametrize("layout", ["packed", "grouped", "padded"])

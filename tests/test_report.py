@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks import gpu_orchestrator, gpu_verify_cost, report
+from benchmarks import attention_calls, gpu_orchestrator, gpu_verify_cost, report
 from drafter.tree import DraftTree
 from trt_engines.base import SamplingParams, VerifyItem
 from trt_engines.llama import Transformer
@@ -60,11 +60,13 @@ def test_plots_come_from_the_committed_results(tmp_path):
     assert made and all((tmp_path / name).stat().st_size > 1000 for name in made)
 
 
-@pytest.mark.parametrize("benchmark", [gpu_verify_cost, gpu_orchestrator], ids=lambda m: m.__name__.split(".")[-1])
-def test_a_gpu_benchmark_without_cuda_says_so_and_writes_nothing(benchmark, tmp_path, capsys):
+@pytest.mark.parametrize("benchmark, flags", [(gpu_verify_cost, []), (gpu_orchestrator, []),
+                                              (attention_calls, ["--device", "cuda"])],
+                         ids=lambda m: m.__name__.split(".")[-1] if hasattr(m, "__name__") else "")
+def test_a_gpu_benchmark_without_cuda_says_so_and_writes_nothing(benchmark, flags, tmp_path, capsys):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the benchmark would run for real")
-    assert benchmark.main(["--out-dir", str(tmp_path)]) == 0
+    assert benchmark.main([*flags, "--out-dir", str(tmp_path)]) == 0
     assert "no CUDA device" in capsys.readouterr().out
     assert not list(tmp_path.iterdir())
 

@@ -22,6 +22,13 @@ CALL_COST, interleaved (`benchmarks/results/attention_calls.md`): 8192 was faste
 fastest on every shape but plain batch 32 (10% behind 16384, which costs up to 11% elsewhere); the earlier 1024
 (~15 us, the kernel launch alone) split too eagerly and ran 8-22% behind the fastest on six of the eight shapes.
 
+On a CUDA GPU the same call is a dozen kernel launches from Python per layer, while the work it saves is tiny: eager
+PyTorch spends ~0.3 ms of host time per call and layer on Llama-3.1-8B's shape, while one unit (a query row over a
+key, its K/V read once per key) is well under a nanosecond of an H100's time. There `CUDA_CALL_COST` prices a call at
+2^19 units, so a step is split only where padding would cost the GPU more than the host's launches (a 63-node tree
+beside 63 plain requests at 2k keys, not a 4-node tree beside plain ones). Measured: `benchmarks/attention_calls.py
+--device cuda` (`attention_calls_cuda.md`). `call_cost_for(device)` gives the engine's price.
+
 Example: rows [61, 1, 1, 1] at 600 keys each -> groups [[0], [1, 2, 3]]: 1*600*65 + 3*600*5 + 2*CALL_COST, against
 4*600*65 + CALL_COST for one call.
 """
@@ -33,7 +40,13 @@ from numba import njit
 
 ROW_OFFSET = 4.0
 CALL_COST = 8192.0
+CUDA_CALL_COST = 2.0**19
 MAX_GROUPS = 4
+
+
+def call_cost_for(device_type: str) -> float:
+    """The planner's price of one more attention call on an engine running on `device_type` ("cpu", "cuda")."""
+    return CUDA_CALL_COST if device_type == "cuda" else CALL_COST
 
 
 @njit(cache=True)
@@ -72,8 +85,9 @@ def _plan(rows: np.ndarray, keys: np.ndarray, max_groups: int, row_offset: float
     return group
 
 
-def plan_attention_groups(rows, keys, *, max_groups: int = MAX_GROUPS) -> list[np.ndarray]:
-    """Request indices per SDPA call, for requests with `rows[i]` query rows attending over `keys[i]` keys.
+def plan_attention_groups(rows, keys, *, max_groups: int = MAX_GROUPS, call_cost: float = CALL_COST) -> list[np.ndarray]:
+    """Request indices per SDPA call, for requests with `rows[i]` query rows attending over `keys[i]` keys, a call
+    priced at `call_cost` units (`call_cost_for`; inf: never split).
 
     Every request lands in exactly one group; a batch of equal shapes stays one call."""
     rows = np.asarray(rows, dtype=np.int64)
@@ -81,8 +95,10 @@ def plan_attention_groups(rows, keys, *, max_groups: int = MAX_GROUPS) -> list[n
     if rows.shape != keys.shape or rows.ndim != 1:
         raise ValueError(f"rows and keys must be 1-D and of one length; got {rows.shape} and {keys.shape}")
     n = rows.shape[0]
-    if n <= 1 or (rows.min() == rows.max() and keys.min() == keys.max()):
+    if call_cost < 0 or np.isnan(call_cost):
+        raise ValueError(f"call_cost must be a non-negative number of units (inf: one call); got {call_cost}")
+    if n <= 1 or np.isinf(call_cost) or (rows.min() == rows.max() and keys.min() == keys.max()):
         return [np.arange(n)]
     order = np.lexsort((-keys, -rows))  # rows descending, then keys descending
-    group = _plan(rows[order], keys[order], max(1, int(max_groups)), ROW_OFFSET, CALL_COST)
+    group = _plan(rows[order], keys[order], max(1, int(max_groups)), ROW_OFFSET, float(call_cost))
     return [order[group == g] for g in range(int(group.max()) + 1)]

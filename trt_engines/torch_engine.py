@@ -87,7 +87,7 @@ from trt_engines.base import (
     check_cpu_kernels,
     check_new_request,
 )
-from trt_engines.attention_groups import plan_attention_groups
+from trt_engines.attention_groups import call_cost_for, plan_attention_groups
 from trt_engines.cpu_forward import FusedCpuDecoder
 from trt_engines.cpu_kernels import Bf16Linear, TreeAttentionLayout, bf16_bits, cpu_has_native_bf16, tree_attention
 from trt_engines.kv_cache import PagedKVCache
@@ -198,7 +198,7 @@ class _PagedAttention:
     """
 
     def __init__(self, cache: PagedKVCache, segments: Sequence[_Segment], *, group: int, dtype: torch.dtype,
-                 device: torch.device, batch_invariant: bool = False):
+                 device: torch.device, call_cost: float, batch_invariant: bool = False):
         self.cache, self.group = cache, group
         self.attend = _batch_invariant_attention if batch_invariant else F.scaled_dot_product_attention
         lens = np.array([len(s.tokens) for s in segments], np.int64)
@@ -208,7 +208,7 @@ class _PagedAttention:
         self.write = torch.as_tensor(np.concatenate(write), device=device)
         self.calls = [_AttentionCall(cache, segments, members, offsets, group=group, dtype=dtype, device=device,
                                      whole_blocks=batch_invariant)
-                      for members in plan_attention_groups(lens, keys)]
+                      for members in plan_attention_groups(lens, keys, call_cost=call_cost)]
         self.buffer = cache.block_buffer(max(c.B * c.n_blocks for c in self.calls))
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -348,6 +348,10 @@ class TorchEngine:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         threads = host_torch_threads(self.device, torch_threads)  # checked now, set once the engine is built
         self.dtype = dtype
+        # The grouping planner's price of one more attention call (`attention_groups.call_cost_for`): host-bound
+        # launches make a call far dearer next to the work it saves on a GPU than on a CPU. The step-time model
+        # plans with the same price (`StepTimeModel.attention_call_cost`).
+        self.attention_call_cost: float = call_cost_for(self.device.type)
         # Where bf16 verify steps run numba kernels (`trt_engines.cpu_kernels`, batch-invariant by construction):
         # "numba", linear layers and verify attention (the fast path on CPUs without bf16 dot-product instructions,
         # where PyTorch's bf16 matmuls are slow); "attention", verify attention only, linear layers on PyTorch's
@@ -749,7 +753,8 @@ class TorchEngine:
                 return self._fused(tokens, positions, attention.layout, self._pool_bits, attention.write_slots)
         else:
             attention = _PagedAttention(self.kv, segments, group=self.args.group_size, dtype=self.dtype,
-                                        device=self.device, batch_invariant=batch_invariant)
+                                        device=self.device, call_cost=self.attention_call_cost,
+                                        batch_invariant=batch_invariant)
         return self.model(tokens, positions, attention, invariant_rows=batch_invariant)
 
     def _sample(self, segments: Sequence[_Segment], logits: Tensor) -> list[np.ndarray]:

@@ -162,7 +162,8 @@ class ServingStack:
                 spec = NOMINAL_CPU
             else:
                 spec = hardware(config.hardware)
-            step_model = StepTimeModel(shape, spec, dtype=config.dtype, attention_layout=engine.attention_layout)
+            step_model = StepTimeModel(shape, spec, dtype=config.dtype, attention_layout=engine.attention_layout,
+                                       attention_call_cost=engine.attention_call_cost)
             if config.fit_step_model:
                 from orchestrator.profiling import fit_step_model
 
