@@ -147,9 +147,9 @@ def markdown(result: dict) -> str:
         "# Attention calls: verify-step time by the planner's price of one more SDPA call",
         "",
         f"Command: `{result['command']}`. Model: {result.get('model', 'SmolLM2-135M-Instruct')}, bf16, TorchEngine "
-        f"(grouped attention) on {result['machine']}. Median of {result['repeats']} interleaved verify calls per cell, in ms, with the "
-        f"number of attention calls per layer; ratio to the row's fastest in brackets. `one` never splits. "
-        f"The engine's price on this device: {int(result['default_call_cost'])} units "
+        f"(grouped attention) on {result['machine']}. Median of {result['repeats']} interleaved verify calls per cell, "
+        f"in ms, with the number of attention calls per layer; ratio to the row's fastest in brackets. "
+        f"`one` never splits. The engine's price on this device: {int(result['default_call_cost'])} units "
         f"(`attention_groups.call_cost_for`).",
         "",
         "| shape | " + " | ".join(f"call cost {lab}" for lab in labels) + " |",

@@ -22,12 +22,13 @@ CALL_COST, interleaved (`benchmarks/results/attention_calls.md`): 8192 was faste
 fastest on every shape but plain batch 32 (10% behind 16384, which costs up to 11% elsewhere); the earlier 1024
 (~15 us, the kernel launch alone) split too eagerly and ran 8-22% behind the fastest on six of the eight shapes.
 
-On a CUDA GPU the same call is a dozen kernel launches from Python per layer, while the work it saves is tiny: eager
-PyTorch spends ~0.3 ms of host time per call and layer on Llama-3.1-8B's shape, while one unit (a query row over a
-key, its K/V read once per key) is well under a nanosecond of an H100's time. There `CUDA_CALL_COST` prices a call at
-2^19 units, so a step is split only where padding would cost the GPU more than the host's launches (a 63-node tree
-beside 63 plain requests at 2k keys, not a 4-node tree beside plain ones). Measured: `benchmarks/attention_calls.py
---device cuda` (`attention_calls_cuda.md`). `call_cost_for(device)` gives the engine's price.
+On a CUDA GPU the same call is a dozen kernels launched from Python per layer, while the work it saves is tiny.
+On an H100 with Llama-3.1-8B's shape each extra call cost 0.13-0.18 ms of host time per layer
+(`attention_calls_cuda.md`: 2 or 3 calls against one, plain and tree batches of 16 and 32), while one unit (a query
+row over a key, the key's K/V read from the pool) is about a nanosecond or less of the GPU's time. There
+`CUDA_CALL_COST` prices a call at 2^19 units, so a step is split only where padding would cost the GPU more than
+the host's launches (a 63-node tree beside 31 plain requests at 2k keys, not a few small trees among plain ones).
+`call_cost_for(device)` gives an engine's price.
 
 Example: rows [61, 1, 1, 1] at 600 keys each -> groups [[0], [1, 2, 3]]: 1*600*65 + 3*600*5 + 2*CALL_COST, against
 4*600*65 + CALL_COST for one call.
@@ -85,7 +86,8 @@ def _plan(rows: np.ndarray, keys: np.ndarray, max_groups: int, row_offset: float
     return group
 
 
-def plan_attention_groups(rows, keys, *, max_groups: int = MAX_GROUPS, call_cost: float = CALL_COST) -> list[np.ndarray]:
+def plan_attention_groups(rows, keys, *, max_groups: int = MAX_GROUPS,
+                          call_cost: float = CALL_COST) -> list[np.ndarray]:
     """Request indices per SDPA call, for requests with `rows[i]` query rows attending over `keys[i]` keys, a call
     priced at `call_cost` units (`call_cost_for`; inf: never split).
 
