@@ -2,6 +2,7 @@
 micro-batches that take turns (SPIN §V: one micro-batch is drafted on the CPU while the other is verified).
 
     python -m benchmarks.gpu_orchestrator                                          # on the CUDA device
+    python -m benchmarks.gpu_orchestrator --caps 16 --out-dir /tmp/x              # the speed part at cap 16 only
     python -m benchmarks.gpu_orchestrator --device cpu --quick --out-dir /tmp/x    # dry run of the code path
 
 No checkpoint travels to a GPU machine, so the models are bundled shapes with random weights, and acceptance here
@@ -20,7 +21,8 @@ says nothing about real text. Two things are measured:
    request-step, steps split into micro-batches, drafting hidden behind verifies, and the step-time model's median
    error (the datasheet roofline fitted at start-up by `fit_step_model`, then refit online from the steps).
 
-Without CUDA (and without --device cpu) it says so and exits 0. Writes gpu_orchestrator.json (+ .md) to --out-dir.
+Without CUDA (and without --device cpu) it says so and exits 0. Writes gpu_orchestrator.json (+ .md) to --out-dir
+after the lossless part and after each cap, so a run stopped by a time limit keeps what it measured.
 """
 
 from __future__ import annotations
@@ -141,7 +143,8 @@ def lossless(device, *, requests: int, max_tokens: int) -> dict:
 
 
 def speed(device, model_name: str, *, caps: tuple[int, ...], requests_per_cap: dict[int, int],
-          max_tokens: int) -> dict:
+          max_tokens: int, on_cap=None) -> dict:
+    """The speed part; `on_cap(partial result)` after each cap, so a run stopped by a time limit keeps its caps."""
     import tempfile
 
     import torch
@@ -161,6 +164,10 @@ def speed(device, model_name: str, *, caps: tuple[int, ...], requests_per_cap: d
         reference, _ = generate(engine, answered, max_new_tokens=max_tokens, stop_at_eos=False, id_prefix=f"ref{cap}")
         docs += [np.asarray(p + r, np.int64) for p, r in zip(answered, reference)]
     rows = []
+    result = {"model_shape": f"{model_name} (random weights, bf16)",
+              "max_tokens": max_tokens, "fit_error": fit_error, "hardware": step_model.hardware.name,
+              "torch_threads": torch.get_num_threads(),
+              "datastore": "the model's greedy outputs for every other prompt", "rows": rows}
     with tempfile.TemporaryDirectory(prefix="gpu-orchestrator-") as folder:
         datastores = (Datastore.open(build_from_token_docs(docs, Path(folder) / "answers", vocab_size=engine.vocab_size,
                                                            tokenizer_id="random-weights")),)
@@ -181,10 +188,9 @@ def speed(device, model_name: str, *, caps: tuple[int, ...], requests_per_cap: d
                       f"{run['tokens_per_s']:8.1f} tok/s ({run['speedup_over_none']:.2f}x none), "
                       f"{run['nodes_per_request_step']:.1f} nodes/request-step, {run['split_steps']}/{run['steps']} "
                       f"split, step err {run['step_model_median_abs_err'] or 0:.1%}", flush=True)
-    return {"model_shape": f"{model_name} (random weights, bf16)",
-            "max_tokens": max_tokens, "fit_error": fit_error, "hardware": step_model.hardware.name,
-            "torch_threads": torch.get_num_threads(), "datastore": "the model's greedy outputs for every other prompt",
-            "rows": rows}
+            if on_cap is not None:
+                on_cap(result)
+    return result
 
 
 def write_markdown(path: Path, result: dict) -> None:
@@ -201,24 +207,25 @@ def write_markdown(path: Path, result: dict) -> None:
               f"{r['accepted_draft_tokens']} | {r['split_steps']}/{r['steps']} | "
               f"{'yes' if r['kv_blocks_freed'] else 'NO'} |"
               for r in x["runs"]]
-    s = result["speed"]
-    lines += ["", f"## The budget on {s['model_shape']} step times", "",
-              f"{s['max_tokens']} tokens per request, EOS ignored. Drafter: prompt and self-output indexes"
-              + (f", and a datastore of {s['datastore']}" if s.get("datastore") else "")
-              + (f"; torch CPU threads {s['torch_threads']}" if s.get("torch_threads") else "")
-              + f". Step-time model: {s['hardware']} roofline, fitted at start-up (median error on the sweep "
-              f"{s['fit_error']:.1%}), refit online.", "",
-              "| cap | policy | micro-batches | tok/s | x none | tokens / request-step | nodes / request-step "
-              "| steps split | drafting hidden s | drafting waited s | verify s | step model err | same as none |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['cap']} | {r['policy']} | {r['micro_batches']} | {r['tokens_per_s']:.1f} | "
-              f"{r['speedup_over_none']:.2f} | {r['tokens_per_request_step']:.2f} | "
-              f"{r['nodes_per_request_step']:.1f} | "
-              f"{r['split_steps']}/{r['steps']} | {r['drafting_hidden_s']:.2f} | {r['drafting_waited_s']:.2f} | "
-              f"{r['verify_s']:.2f} | {r['step_model_median_abs_err'] or 0:.1%} | "
-              f"{r['identical_to_none_fraction']:.0%} |"
-              for r in s["rows"]]
-    lines += ["", *speed_readings(s["rows"])]
+    s = result.get("speed")
+    if s is not None:  # absent while the speed part runs (`main` saves after each part)
+        lines += ["", f"## The budget on {s['model_shape']} step times", "",
+                  f"{s['max_tokens']} tokens per request, EOS ignored. Drafter: prompt and self-output indexes"
+                  + (f", and a datastore of {s['datastore']}" if s.get("datastore") else "")
+                  + (f"; torch CPU threads {s['torch_threads']}" if s.get("torch_threads") else "")
+                  + f". Step-time model: {s['hardware']} roofline, fitted at start-up (median error on the sweep "
+                  f"{s['fit_error']:.1%}), refit online.", "",
+                  "| cap | policy | micro-batches | tok/s | x none | tokens / request-step | nodes / request-step "
+                  "| steps split | drafting hidden s | drafting waited s | verify s | step model err | same as none |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['cap']} | {r['policy']} | {r['micro_batches']} | {r['tokens_per_s']:.1f} | "
+                  f"{r['speedup_over_none']:.2f} | {r['tokens_per_request_step']:.2f} | "
+                  f"{r['nodes_per_request_step']:.1f} | "
+                  f"{r['split_steps']}/{r['steps']} | {r['drafting_hidden_s']:.2f} | {r['drafting_waited_s']:.2f} | "
+                  f"{r['verify_s']:.2f} | {r['step_model_median_abs_err'] or 0:.1%} | "
+                  f"{r['identical_to_none_fraction']:.0%} |"
+                  for r in s["rows"]]
+        lines += ["", *speed_readings(s["rows"])]
     if result.get("notes"):
         lines += ["## Notes", ""] + [line for note in result["notes"] for line in (note, "")]
     path.write_text("\n".join(lines) + "\n")
@@ -251,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="llama-3.1-8b", help="bundled shape for the speed part")
     parser.add_argument("--quick", action="store_true",
                         help="few, short requests; the default model's shape (dry runs)")
+    parser.add_argument("--caps", type=int, nargs="+", default=None,
+                        help="concurrency caps of the speed part (default 1 16; --quick: 1 4)")
     parser.add_argument("--out-dir", default=str(RESULTS))
     parser.add_argument("--note", action="append", default=[], help="a paragraph for the results' Notes section")
     args = parser.parse_args(argv)
@@ -262,22 +271,31 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     device = torch.device(args.device)
     model_name = "smollm2-135m" if args.quick else args.model
+    caps = tuple(args.caps or ((1, 4) if args.quick else (1, 16)))
+    if any(c not in (1, 4, 16) for c in caps):
+        parser.error(f"--caps: each cap must be 1, 4 or 16 (the request counts are set for those); got {caps}")
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__,
               "command": " ".join(["python -m benchmarks.gpu_orchestrator"]
                                   + ([f"--device {args.device}"] if args.device != "cuda" else [])
                                   + ([f"--model {args.model}"] if args.model != "llama-3.1-8b" else [])
-                                  + (["--quick"] if args.quick else []))}
-    result["lossless"] = lossless(device, requests=6 if args.quick else 16, max_tokens=16 if args.quick else 64)
-    result["speed"] = speed(device, model_name, caps=(1, 16) if not args.quick else (1, 4),
-                            requests_per_cap={1: 2 if args.quick else 4, 4: 4, 16: 32},
-                            max_tokens=16 if args.quick else 128)
+                                  + (["--quick"] if args.quick else [])
+                                  + (["--caps", *map(str, caps)] if args.caps else []))}
     if args.note:
         result["notes"] = args.note
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_orchestrator.json").write_text(json.dumps(result, indent=2) + "\n")
-    write_markdown(out / "gpu_orchestrator.md", result)
+
+    def save(speed_part: dict | None = None) -> None:  # after each part and cap: a run stopped by a time limit
+        if speed_part is not None:                       # keeps what it measured
+            result["speed"] = speed_part
+        (out / "gpu_orchestrator.json").write_text(json.dumps(result, indent=2) + "\n")
+        write_markdown(out / "gpu_orchestrator.md", result)
+
+    result["lossless"] = lossless(device, requests=6 if args.quick else 16, max_tokens=16 if args.quick else 64)
+    save()
+    speed(device, model_name, caps=caps, requests_per_cap={1: 2 if args.quick else 4, 4: 4, 16: 32},
+          max_tokens=16 if args.quick else 128, on_cap=save)
     print((out / "gpu_orchestrator.md").read_text())
     return 0
 
