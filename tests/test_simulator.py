@@ -229,3 +229,16 @@ def test_host_overhead_fit_recovers_a_per_step_and_per_request_cost():
     assert a == pytest.approx(0.0006, rel=0.05) and b == pytest.approx(0.00005, rel=0.05)
     assert fit_host_overhead([]) == [0.0, 0.0]
     assert min(fit_host_overhead([(1, 0.001), (2, 0.0005), (4, 0.0001)])) >= 0  # never a negative cost
+
+
+def test_a_grouped_deployment_prices_attention_calls_by_its_device():
+    # TorchEngine splits a step's attention into calls at its device's price; the simulator's step model must too
+    from trt_engines.attention_groups import call_cost_for
+
+    gpu = dataclasses.replace(h100(), attention_layout="grouped")
+    cpu = dataclasses.replace(gpu, device="cpu")
+    assert gpu.step_model().attention_call_cost == call_cost_for("cuda") > call_cost_for("cpu")
+    assert cpu.step_model(prefill=True).attention_call_cost == call_cost_for("cpu")
+    tokens, context = np.array([5.0] + [1.0] * 15), np.full(16, 600.0)
+    assert gpu.step_model().extra_attention_calls(tokens, context) == 0
+    assert cpu.step_model().extra_attention_calls(tokens, context) > 0

@@ -52,6 +52,7 @@ from orchestrator.roofline import (
 )
 from tools.prompt_sets import PROMPT_SETS
 from tools.trajectories import Trajectory, load_trajectories, trajectory_path
+from trt_engines.attention_groups import call_cost_for
 from trt_engines.simulated_engine import SimClock, SimulatedEngine
 
 MODEL_SHAPES_DIR = Path(__file__).resolve().parent / "model_shapes"
@@ -96,8 +97,10 @@ class Deployment:
     def step_model(self, *, prefill: bool = False) -> StepTimeModel:
         chosen = self.prefill_coefficients if prefill and self.prefill_coefficients else self.coefficients
         coefficients = None if chosen is None else np.asarray(chosen, dtype=np.float64)
+        # a grouped engine (`TorchEngine`) prices an attention call by its device ("gpu" here is CUDA)
         return StepTimeModel(self.shape, self.hardware, dtype=self.dtype, coefficients=coefficients,
-                             attention_layout=self.attention_layout)
+                             attention_layout=self.attention_layout,
+                             attention_call_cost=call_cost_for("cuda" if self.device == "gpu" else self.device))
 
 
 @dataclass(frozen=True)
