@@ -17,8 +17,8 @@ host work no roofline sees (~140 us of PyTorch ops per call and layer on the CPU
 call; 0.13-0.18 ms per call and layer on an H100's host). The model splits a step as the engine would, at the
 engine's price of a call (`attention_call_cost`, `trt_engines.attention_groups.call_cost_for`). The predicted
 time is the feature vector's dot product with fitted coefficients; the defaults [overhead, 1, 1, 1, 0, 0] are the
-pure roofline, and `fit`/`observe` refit them by least squares on measured steps (online, from the engine's timings), which absorbs what the roofline leaves out (kernel efficiency,
-per-token framework costs, norms and RoPE).
+pure roofline, and `fit`/`observe` refit them by least squares on measured steps (online, from the engine's
+timings), which absorbs what the roofline leaves out (kernel efficiency, per-token framework costs, norms and RoPE).
 
 In the linear operators b (requests) and s (tokens per request) appear only as T = b*s: below the ridge
 T* = peak * dtype_bytes / (2 * bandwidth) they are memory-bound and extra tokens are nearly free. `free_budget()` is
