@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.gpu_verify_cost import bushy_tree
+from benchmarks.gpu_verify_cost import bushy_tree, random_weight_config
 from trt_engines.attention_groups import call_cost_for, plan_attention_groups
 from trt_engines.base import VerifyItem
 
@@ -56,12 +56,9 @@ def build_engine(device: str, model: str | None):
 
     if model is None:
         return TorchEngine("default", device=device, cpu_kernels="torch"), "SmolLM2-135M-Instruct"
-    from tools.simulate import model_config
     from trt_engines.llama import Transformer
 
-    config = {"rope_theta": 500000.0, "rms_norm_eps": 1e-5, "model_type": "llama", **model_config(model)}
-    config = {k: v for k, v in config.items() if not k.startswith("_")}
-    weights = Transformer.random(config, dtype=torch.bfloat16, device=torch.device(device))
+    weights = Transformer.random(random_weight_config(model), dtype=torch.bfloat16, device=torch.device(device))
     engine = TorchEngine(weights, dtype=torch.bfloat16, device=device, num_blocks=32 * 2200 // 16 + 64,
                          max_context=2200, cpu_kernels="torch" if device == "cpu" else "auto")
     return engine, f"{model} (random weights)"

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.gpu_verify_cost import datasheet_for
+from benchmarks.gpu_verify_cost import datasheet_for, random_weight_config
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LOSSLESS_RUNS = (("none", 1), ("fixed:4", 1), ("fixed:16", 1), ("roofline", 1), ("goodput", 1),
@@ -60,12 +60,10 @@ def build(model_name: str, dtype, device, *, num_blocks: int, max_context: int):
 
     from orchestrator.profiling import fit_step_model, measure_hardware
     from orchestrator.roofline import KNOWN_HARDWARE, ModelShape, StepTimeModel
-    from tools.simulate import model_config
     from trt_engines.llama import Transformer
     from trt_engines.torch_engine import TorchEngine
 
-    config = {"rope_theta": 500000.0, "rms_norm_eps": 1e-5, "model_type": "llama", **model_config(model_name)}
-    config = {k: v for k, v in config.items() if not k.startswith("_")}
+    config = random_weight_config(model_name)
     model = Transformer.random(config, dtype=dtype, device=device)
     engine = TorchEngine(model, dtype=dtype, device=device, num_blocks=num_blocks, max_context=max_context)
     dtype_name = "float32" if dtype == torch.float32 else "bfloat16"

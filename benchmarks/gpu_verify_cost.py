@@ -46,6 +46,15 @@ def datasheet_for(device_name: str) -> str | None:
     return None
 
 
+def random_weight_config(model_name: str) -> dict:
+    """A bundled shape (`tools.simulate.model_config`) as a Llama config for `Transformer.random`: Llama-3's RoPE
+    base and norm epsilon, without the shape file's `_`-prefixed notes."""
+    from tools.simulate import model_config
+
+    config = {"rope_theta": 500000.0, "rms_norm_eps": 1e-5, "model_type": "llama", **model_config(model_name)}
+    return {k: v for k, v in config.items() if not k.startswith("_")}
+
+
 def bushy_tree(n: int, rng: np.random.Generator, vocab: int):
     from drafter.tree import DraftTree
 
@@ -245,12 +254,11 @@ def run(model_name: str, *, budget_s: float, max_kv_tokens: int, device_name: st
 
     from orchestrator.profiling import measure_hardware
     from orchestrator.roofline import KNOWN_HARDWARE, ModelShape
-    from tools.simulate import model_config
     from trt_engines.base import VerifyItem
     from trt_engines.llama import Transformer
     from trt_engines.torch_engine import TorchEngine
 
-    config = {"rope_theta": 500000.0, "rms_norm_eps": 1e-5, "model_type": "llama", **model_config(model_name)}
+    config = random_weight_config(model_name)
     device = torch.device(device_name)
     batches, nodes, contexts = ((1, 4), (0, 7), (512,)) if quick else (BATCHES, NODES, CONTEXTS)
     model = Transformer.random(config, dtype=torch.bfloat16, device=device)
