@@ -69,8 +69,7 @@ def build(model_name: str, dtype, device, *, num_blocks: int, max_context: int):
     dtype_name = "float32" if dtype == torch.float32 else "bfloat16"
     sheet = datasheet_for(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     hardware = KNOWN_HARDWARE[sheet] if sheet else measure_hardware(device.type, dtypes=(dtype_name,))
-    step_model = StepTimeModel(ModelShape.from_config(config), hardware, dtype=dtype_name,
-                               attention_layout=engine.attention_layout, attention_call_cost=engine.attention_call_cost)
+    step_model = StepTimeModel.for_engine(engine, ModelShape.from_config(config), hardware, dtype=dtype_name)
     fit_error = fit_step_model(engine, step_model)
     return engine, step_model, fit_error
 

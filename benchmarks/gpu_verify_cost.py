@@ -232,9 +232,9 @@ def layout_check(engine, rng: np.random.Generator, *, repeats: int) -> list[dict
     return out
 
 
-def predict_layouts(layout_rows: list[dict], shape, measured, comparison: dict) -> None:
+def predict_layouts(layout_rows: list[dict], shape, measured, comparison: dict, call_cost: float) -> None:
     """Each layout row's busy time as predicted by the model fitted to the grid's busy times (uniform trees, where
-    the layouts agree), once per attention layout."""
+    the layouts agree), once per attention layout ("grouped" at the engine's price of a call, `call_cost`)."""
     from orchestrator.roofline import ATTENTION_LAYOUTS, StepTimeModel
 
     coefficients = comparison.get("fitted_to_device_busy_coefficients")
@@ -244,7 +244,8 @@ def predict_layouts(layout_rows: list[dict], shape, measured, comparison: dict) 
         tokens = 1.0 + np.asarray(row["nodes"], np.float64)
         context = np.full(len(row["nodes"]), float(row["context"]))
         for layout in ATTENTION_LAYOUTS:
-            model = StepTimeModel(shape, measured, coefficients=np.asarray(coefficients), attention_layout=layout)
+            model = StepTimeModel(shape, measured, coefficients=np.asarray(coefficients), attention_layout=layout,
+                                  attention_call_cost=call_cost)
             row[f"predicted_busy_ms_{layout}"] = model.predict(tokens, context) * 1e3
 
 
@@ -304,7 +305,8 @@ def run(model_name: str, *, budget_s: float, max_kv_tokens: int, device_name: st
     if sheet:
         profiles[sheet] = KNOWN_HARDWARE[sheet]
     comparison = compare(rows, ModelShape.from_config(config), profiles)
-    predict_layouts(layout_rows, ModelShape.from_config(config), measured, comparison["measured"])
+    predict_layouts(layout_rows, ModelShape.from_config(config), measured, comparison["measured"],
+                    engine.attention_call_cost)
     return {"model": model_name, "device": device_label, "torch": torch.__version__,
             "rows": rows, "skipped": skipped, "comparison": comparison, "profiles": profiles_text,
             "layout_rows": layout_rows, "engine_attention_layout": engine.attention_layout,

@@ -60,9 +60,8 @@ def build_stack(dtype: torch.dtype, *, num_blocks: int, max_nodes: int = 64, win
     dtype_name = "float32" if dtype == torch.float32 else "bfloat16"
     # the FLOP/s of the kernels the engine runs, in its own dtype only (`measure_hardware`)
     hardware = measure_hardware("cpu", cpu_kernels=engine.kernel_linears, dtypes=(dtype_name,))
-    step_model = StepTimeModel(ModelShape.from_config(resolve_model_dir("default")), hardware, dtype=dtype_name,
-                               window=window, attention_layout=engine.attention_layout,
-                               attention_call_cost=engine.attention_call_cost)
+    step_model = StepTimeModel.for_engine(engine, ModelShape.from_config(resolve_model_dir("default")), hardware,
+                                          dtype=dtype_name, window=window)
     fit_error = fit_step_model(engine, step_model)
     warm_up(engine, drafter, step_model)
     return engine, drafter, step_model, fit_error

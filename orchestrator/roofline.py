@@ -299,6 +299,13 @@ class StepTimeModel:
         """Keep (tokens, context, seconds) triples for every later online refit, without refitting now."""
         self._anchors = [(self.features(t, c), float(m)) for t, c, m in steps]
 
+    @classmethod
+    def for_engine(cls, engine, shape: "ModelShape", hardware: HardwareSpec, **kwargs) -> "StepTimeModel":
+        """A model that lays out attention as `engine` does: its layout and, where it groups calls, its price of a
+        call (`TorchEngine.attention_call_cost`)."""
+        return cls(shape, hardware, attention_layout=engine.attention_layout,
+                   attention_call_cost=getattr(engine, "attention_call_cost", CALL_COST), **kwargs)
+
     def clone(self) -> "StepTimeModel":
         """The same model and calibration sweep, with its own (empty) window of online samples."""
         twin = StepTimeModel(self.shape, self.hardware, dtype=self.dtype, coefficients=self.coefficients.copy(),

@@ -84,6 +84,18 @@ def test_random_weight_model_runs_in_the_engine():
     assert np.isfinite(out.timings["total_ms"])
 
 
+def test_step_time_model_for_an_engine_lays_attention_out_as_it_does():
+    from orchestrator.roofline import KNOWN_HARDWARE, ModelShape, StepTimeModel
+
+    engine = TorchEngine(Transformer.random(TINY, dtype=torch.float32), dtype=torch.float32, device="cpu",
+                         num_blocks=16, max_context=128)
+    engine.attention_call_cost = 1.0  # any price the engine plans with, the model plans with too
+    model = StepTimeModel.for_engine(engine, ModelShape.from_config(TINY), KNOWN_HARDWARE["H100-SXM"], dtype="float32")
+    assert (model.attention_layout, model.attention_call_cost, model.dtype) == ("grouped", 1.0, "float32")
+    tokens, context = np.array([9.0, 1.0, 1.0]), np.full(3, 100.0)
+    assert model.extra_attention_calls(tokens, context) == TINY["num_hidden_layers"]  # a call is cheap: split
+
+
 def test_gpu_lossless_check_runs_on_cpu_too():
     # The same check the GPU benchmark runs first: transformers parity and speculative == plain greedy decoding.
     result = gpu_verify_cost.check_lossless("cpu", n_prompts=3, new_tokens=16)

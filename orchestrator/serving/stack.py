@@ -162,8 +162,7 @@ class ServingStack:
                 spec = NOMINAL_CPU
             else:
                 spec = hardware(config.hardware)
-            step_model = StepTimeModel(shape, spec, dtype=config.dtype, attention_layout=engine.attention_layout,
-                                       attention_call_cost=engine.attention_call_cost)
+            step_model = StepTimeModel.for_engine(engine, shape, spec, dtype=config.dtype)
             if config.fit_step_model:
                 from orchestrator.profiling import fit_step_model
 
