@@ -215,7 +215,7 @@ def test_tree_attention_row_equals_plain_decoding_of_its_path(parents, context, 
     # Every tree row, on any branch and next to other requests, gets bitwise what plain decoding of its own path
     # gets: attention over the context and its ancestors laid out contiguously, alone in the batch. Long trees
     # split into several kernel tasks. The kernel is compiled per head_dim and output dtype: these tests use
-    # SmolLM2's 64, and the vector-width test a head_dim of 40, whose last value tile is part padding.
+    # SmolLM2's 64, and the vector-width test that and a head_dim of 40, whose last value tile is part padding.
     rng = np.random.default_rng(seed)
     heads, kv_heads, dim = 6, 2, 64
     _, _, k_bits, v_bits = _paged(rng, kv_heads, 512, dim)
@@ -264,6 +264,29 @@ def test_tree_attention_tasks_cover_every_row_once_in_equal_runs(rows, kv_heads,
     assert runs.max() - runs.min() <= 1
 
 
+@HYP
+@given(parents=trees, context=st.integers(0, 300), others=st.integers(0, 2), seed=st.integers(0, 2**16))
+def test_tree_attention_reading_the_pool_gives_the_bits_of_widened_copies(parents, context, others, seed):
+    # The micro-kernels read keys and values straight from the paged pool (bf16, through the slots) and widen them
+    # in registers; computing on fp32 copies of them (`widened_copy`, how every task ran before) must give the same
+    # bits: the same values enter the same chains. Contexts reach past a few hundred keys, so the pool's blocks
+    # scatter and a task's keys outnumber the score loop's tile several times over.
+    rng = np.random.default_rng(seed)
+    _, _, k_bits, v_bits = _paged(rng, 3, 1024, 64)
+    pool = rng.permutation(1024)
+    segments, offset, used, queries = [], 0, 0, []
+    for c, m, mask in [(int(rng.integers(0, 60)), int(rng.integers(1, 6)), None) for _ in range(others)] + [
+            (context, len(parents) + 1, _tree_mask(parents))]:
+        mask = np.tril(np.ones((m, m), bool)) if mask is None else mask
+        segments.append((offset, c, pool[used:used + c + m], mask))
+        queries.append(bf16_bits(_bf16(rng, m, 9, 64)))
+        offset, used = offset + m, used + c + m
+    q, layout = np.concatenate(queries), TreeAttentionLayout(segments)
+    from_pool = tree_attention_bits(q, k_bits, v_bits, layout, fp32_out=True)
+    from_copies = tree_attention_bits(q, k_bits, v_bits, layout, fp32_out=True, widened_copy=True)
+    assert np.array_equal(from_pool.view(np.uint32), from_copies.view(np.uint32))
+
+
 def test_tree_attention_does_not_depend_on_the_thread_count():
     # A request's three KV heads' rows are shared out in equal runs per thread (`TreeAttentionLayout.tasks`), so
     # the thread count decides which task computes a row, and must change none of its bits. One thread runs
@@ -289,10 +312,12 @@ _OUTPUTS_AT_A_WIDTH = textwrap.dedent("""
     bf16 = lambda *shape: torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).bfloat16()
     linear = Bf16Linear(bf16(100, 576), bf16(100))  # 100 features: a padded tile at either width
     outs = [linear(bf16(rows, 576), fp32_out=True) for rows in (1, 2, 7, 70)]
-    k, v = bf16(2, 64, 40), bf16(2, 64, 40)  # head_dim 40: the values' last tile is part padding
     mask = np.tril(np.ones((5, 5), bool))
-    outs.append(tree_attention(bf16(5, 6, 40), bf16_bits(k), bf16_bits(v),
-                               TreeAttentionLayout([(0, 20, rng.permutation(64)[:25], mask)]), fp32_out=True))
+    # head_dim 40: the values' last tile is part padding (widened copies); 64: the pool read in place
+    for dim in (40, 64):
+        k, v = bf16(2, 64, dim), bf16(2, 64, dim)
+        outs.append(tree_attention(bf16(5, 6, dim), bf16_bits(k), bf16_bits(v),
+                                   TreeAttentionLayout([(0, 20, rng.permutation(64)[:25], mask)]), fp32_out=True))
     np.savez(sys.argv[1], width=VECTOR_FLOATS, *[o.numpy() for o in outs])
 """)
 
@@ -311,7 +336,7 @@ def test_outputs_do_not_depend_on_the_vector_width(tmp_path, monkeypatch, kernel
     results = [np.load(here), np.load(kernel_runs["folder"] / "other.npz")]
     assert sorted(int(r["width"]) for r in results) == [8, 16]
     names = [n for n in results[0].files if n != "width"]
-    assert len(names) == 5
+    assert len(names) == 6
     for name in names:
         assert np.array_equal(results[0][name], results[1][name]), name
 

@@ -173,6 +173,8 @@ def _store_run_overload(out, i, j, values, start, count):
 
 _F32xV = ir.VectorType(ir.FloatType(), VECTOR_FLOATS)
 _I32xV = ir.VectorType(ir.IntType(32), VECTOR_FLOATS)
+_I16xV = ir.VectorType(ir.IntType(16), VECTOR_FLOATS)
+_SIXTEEN_xV = ir.Constant(_I32xV, [16] * VECTOR_FLOATS)
 
 
 def _accumulating_loop(builder, name: str, vector_type, shape: tuple[int, int], step: int, end, body, *,
@@ -216,8 +218,8 @@ def _accumulating_loop(builder, name: str, vector_type, shape: tuple[int, int], 
 
 
 def _tile_products(rows: int, tiles: int = 1):
-    """An intrinsic `(b, b_row, b_col, b_row_step, b_col_step, xf, m0, k_dim, out, out_row, out_col) -> None`: for
-    r < rows, t < tiles, j < LANES, with tile t's weights at b_row + t * b_row_step, b_col + t * b_col_step,
+    """An intrinsic `(b, b_row, b_col, b_row_step, b_col_step, xf, m0, k_dim, out, out_row, out_col, slots) -> None`:
+    for r < rows, t < tiles, j < LANES, with tile t's weights at b_row + t * b_row_step, b_col + t * b_col_step,
 
         out[out_row + r, out_col + t * LANES + j] = sum over k < k_dim of
             xf[m0 + r, k] * b[b_row + t * b_row_step + k, b_col + t * b_col_step + j]
@@ -231,12 +233,20 @@ def _tile_products(rows: int, tiles: int = 1):
     row's accumulators. Each output is one chain of fused multiply-adds in k order (llvm.fma, never reassociated)
     starting from 0, so its bits depend only on its own row of xf and column of b, never on `rows`, `tiles` or what
     is computed beside it; a term whose xf value is 0 adds exactly nothing (for finite b). Several tiles per pass are
-    for one or two rows, or three over fp32 b (`_tiles_per_pass`)."""
+    for one or two rows, or three over fp32 b (`_tiles_per_pass`).
 
-    def typer(typingctx, b, b_row, b_col, b_row_step, b_col_step, xf, m0, k_dim, out, out_row, out_col):
-        if not (isinstance(b, types.Array) and b.ndim == 2 and b.dtype in (types.uint32, types.float32)
+    `slots` is None, or, where b is bf16 bits as they are (uint16, unpaired: a layer's KV pool under one KV head),
+    an int64 array naming b's rows: row b_row + ... + k above reads b[slots[b_row + ... + k]] (the values of a
+    segment's keys, wherever the paged cache holds them), each vector widened in registers (the same values, so
+    the same bits, as a widened copy gives)."""
+
+    def typer(typingctx, b, b_row, b_col, b_row_step, b_col_step, xf, m0, k_dim, out, out_row, out_col, slots):
+        if not (isinstance(b, types.Array) and b.ndim == 2 and b.dtype in (types.uint32, types.float32, types.uint16)
                 and isinstance(xf, types.Array) and xf.ndim == 2 and xf.dtype == types.float32
                 and isinstance(out, types.Array) and out.ndim == 2 and out.dtype == types.float32):
+            return None
+        gathered = b.dtype == types.uint16  # bf16 rows through `slots`
+        if gathered != (isinstance(slots, types.Array) and slots.ndim == 1 and slots.dtype == types.int64):
             return None
         bf16 = b.dtype == types.uint32  # a tile's two vectors of bf16 bits in the halves of one vector of uint32s
         stored = _I32xV if bf16 else _F32xV
@@ -258,6 +268,9 @@ def _tile_products(rows: int, tiles: int = 1):
 
             x_rows = [item(x_type, x_view, builder.add(m0_index, const(r)), const(0)) for r in range(rows)]
             tile_rows = [builder.add(b_row0, builder.mul(b_row_step, const(t))) for t in range(tiles)]
+            if gathered:
+                slot_type = signature.args[11]
+                slot_view = context.make_array(slot_type)(context, builder, args[11])
             tile_cols = [builder.add(b_col0, builder.mul(b_col_step, const(t))) for t in range(tiles)]
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32xV, [_F32xV] * 3),
                                                  f"llvm.fma.v{VECTOR_FLOATS}f32")
@@ -279,6 +292,12 @@ def _tile_products(rows: int, tiles: int = 1):
                 return builder.shuffle_vector(lane0, undefined, ir.Constant(_I32xV, [0] * VECTOR_FLOATS))
 
             def weights(k, v, paired_loads):
+                if gathered:
+                    slot = builder.load(cgutils.get_item_pointer(context, builder, slot_type, slot_view,
+                                                                 [builder.add(tile_rows[v // 2], k)], wraparound=False))
+                    pointer = item(b_type, b_view, slot, builder.add(tile_cols[v // 2], const(VECTOR_FLOATS * (v % 2))))
+                    raw = builder.load(builder.bitcast(pointer, _I16xV.as_pointer()), align=2)
+                    return builder.bitcast(builder.shl(builder.zext(raw, _I32xV), _SIXTEEN_xV), _F32xV)
                 if not bf16:
                     pointer = item(b_type, b_view, builder.add(tile_rows[v // 2], k),
                                    builder.add(tile_cols[v // 2], const(VECTOR_FLOATS * (v % 2))))
@@ -326,7 +345,7 @@ def _tile_products(rows: int, tiles: int = 1):
                     builder.store(updated[r][v], builder.bitcast(target, _F32xV.as_pointer()), align=4)
             return context.get_dummy_value()
 
-        return types.void(b, b_row, b_col, b_row_step, b_col_step, xf, m0, k_dim, out, out_row, out_col), codegen
+        return types.void(b, b_row, b_col, b_row_step, b_col_step, xf, m0, k_dim, out, out_row, out_col, slots), codegen
 
     typer.__name__ = f"_tile_products_{rows}x{tiles}"
     return intrinsic(typer)
@@ -342,6 +361,9 @@ _products_3x2 = _tile_products(3, 2)
 
 SCORE_LANES = 8  # fp32 lanes of a score's partial sums: fixed, so scores have the same bits on AVX2 and AVX-512
 _F32x8 = ir.VectorType(ir.FloatType(), SCORE_LANES)
+_I32x8 = ir.VectorType(ir.IntType(32), SCORE_LANES)
+_I16x8 = ir.VectorType(ir.IntType(16), SCORE_LANES)
+_SIXTEEN_x8 = ir.Constant(_I32x8, [16] * SCORE_LANES)  # bf16 bits, zero-extended, shifted up: the fp32 bits
 
 
 def _lanes(builder, vector, picked: list[int]):
@@ -360,9 +382,12 @@ def _halving_sum(builder, vector):
 
 
 @intrinsic
-def _dot_products_2x4(typingctx, qf, ia, ib, kf, j0, j1, j2, j3, width, scores):
+def _dot_products_2x4(typingctx, qf, ia, ib, kf, j0, j1, j2, j3, width, scores, slots):
     """scores[i, j] = qf[i, :width] . kf[j, :width] for i in (ia, ib) and j in (j0, j1, j2, j3): qf, kf and scores
-    2D fp32 with contiguous rows, width a positive multiple of SCORE_LANES (columns past head_dim hold zeros).
+    2D fp32 with contiguous rows, width a positive multiple of SCORE_LANES (columns past head_dim hold zeros). Or kf
+    is bf16 bits (uint16: a layer's KV pool under one KV head, [slots, head_dim]) and `slots` (int64) says which of
+    its rows key j is: scores[i, j] = qf[i] . kf[slots[j]], each key widened to fp32 in registers (the same values,
+    so the same bits, as a widened copy gives), width then at most head_dim; `slots` is None for fp32 kf.
 
     In LLVM IR, like `_tile_products`, so that no fast-math flag is needed: each dot product is one vector of
     SCORE_LANES partial sums, each a chain of fused multiply-adds (llvm.fma) over every SCORE_LANES-th element in
@@ -373,9 +398,12 @@ def _dot_products_2x4(typingctx, qf, ia, ib, kf, j0, j1, j2, j3, width, scores):
     (`test_a_process_that_compiles_the_kernels_and_one_that_loads_them_from_numbas_cache_agree`). Eight dot
     products at once keep eight independent chains in flight to cover the multiply-add latency (14 of AVX2's 16
     vector registers)."""
-    if not all(isinstance(a, types.Array) and a.ndim == 2 and a.dtype == types.float32 and a.layout == "C"
-               for a in (qf, kf, scores)):
+    if not (all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in (qf, kf, scores))
+            and qf.dtype == scores.dtype == types.float32 and kf.dtype in (types.float32, types.uint16)):
         return None
+    bits = kf.dtype == types.uint16
+    if bits != (isinstance(slots, types.Array) and slots.ndim == 1 and slots.dtype == types.int64):
+        return None  # bf16 keys come from a pool through their slots; fp32 keys are rows of their own
 
     def codegen(context, builder, signature, args):
         q_type, k_type, s_type = signature.args[0], signature.args[3], signature.args[9]
@@ -391,14 +419,27 @@ def _dot_products_2x4(typingctx, qf, ia, ib, kf, j0, j1, j2, j3, width, scores):
             return cgutils.get_item_pointer(context, builder, array_type, view, [i, j], wraparound=False)
 
         q_rows = [item(q_type, q_view, i, ir.Constant(i64, 0)) for i in rows]
-        k_rows = [item(k_type, k_view, j, ir.Constant(i64, 0)) for j in keys]
+        if bits:  # key j is row slots[j] of the pool
+            slot_type = signature.args[10]
+            slot_view = context.make_array(slot_type)(context, builder, args[10])
+            keys_rows = [builder.load(cgutils.get_item_pointer(context, builder, slot_type, slot_view, [j],
+                                                               wraparound=False)) for j in keys]
+        else:
+            keys_rows = keys
+        k_rows = [item(k_type, k_view, j, ir.Constant(i64, 0)) for j in keys_rows]
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32x8, [_F32x8] * 3), "llvm.fma.v8f32")
 
         def iteration(k, acc):
             def load(pointer):
                 return builder.load(builder.bitcast(builder.gep(pointer, [k]), _F32x8.as_pointer()), align=4)
 
-            k_values = [load(p) for p in k_rows]
+            def load_key(pointer):
+                if not bits:
+                    return load(pointer)
+                raw = builder.load(builder.bitcast(builder.gep(pointer, [k]), _I16x8.as_pointer()), align=2)
+                return builder.bitcast(builder.shl(builder.zext(raw, _I32x8), _SIXTEEN_x8), _F32x8)
+
+            k_values = [load_key(p) for p in k_rows]
             updated = [[None] * len(keys) for _ in rows]
             for r, q_row in enumerate(q_rows):
                 q_value = load(q_row)
@@ -413,7 +454,7 @@ def _dot_products_2x4(typingctx, qf, ia, ib, kf, j0, j1, j2, j3, width, scores):
                 builder.store(_halving_sum(builder, updated[r][j]), item(s_type, s_view, i, key))
         return context.get_dummy_value()
 
-    return types.void(qf, ia, ib, kf, j0, j1, j2, j3, width, scores), codegen
+    return types.void(qf, ia, ib, kf, j0, j1, j2, j3, width, scores, slots), codegen
 
 
 def _tiles_per_pass(b, rows):  # pragma: no cover - replaced by the overload inside numba
@@ -443,32 +484,32 @@ def _tiles_per_pass_overload(b, rows):
 
 
 @njit(inline="always")
-def _products(b, b_row, b_col, b_row_step, b_col_step, xf, m0, k_dim, out, out_col, rows, tiles):
+def _products(b, b_row, b_col, b_row_step, b_col_step, xf, m0, k_dim, out, out_col, rows, tiles, slots):
     """`_tile_products(rows, tiles)` over rows m0.. of xf into the same rows of out, for the (rows, tiles) pairs
     `_times_tiles` uses (numba needs each instance named)."""
     if tiles == 4:
-        _products_1x4(b, b_row, b_col, b_row_step, b_col_step, xf, m0, k_dim, out, m0, out_col)
+        _products_1x4(b, b_row, b_col, b_row_step, b_col_step, xf, m0, k_dim, out, m0, out_col, slots)
     elif tiles == 2:
         if rows == 3:
-            _products_3x2(b, b_row, b_col, b_row_step, b_col_step, xf, m0, k_dim, out, m0, out_col)
+            _products_3x2(b, b_row, b_col, b_row_step, b_col_step, xf, m0, k_dim, out, m0, out_col, slots)
         else:
-            _products_2x2(b, b_row, b_col, b_row_step, b_col_step, xf, m0, k_dim, out, m0, out_col)
+            _products_2x2(b, b_row, b_col, b_row_step, b_col_step, xf, m0, k_dim, out, m0, out_col, slots)
     elif rows == 6:
-        _products_6(b, b_row, b_col, 0, 0, xf, m0, k_dim, out, m0, out_col)
+        _products_6(b, b_row, b_col, 0, 0, xf, m0, k_dim, out, m0, out_col, slots)
     elif rows == 5:
-        _products_5(b, b_row, b_col, 0, 0, xf, m0, k_dim, out, m0, out_col)
+        _products_5(b, b_row, b_col, 0, 0, xf, m0, k_dim, out, m0, out_col, slots)
     elif rows == 4:
-        _products_4(b, b_row, b_col, 0, 0, xf, m0, k_dim, out, m0, out_col)
+        _products_4(b, b_row, b_col, 0, 0, xf, m0, k_dim, out, m0, out_col, slots)
     elif rows == 3:
-        _products_3(b, b_row, b_col, 0, 0, xf, m0, k_dim, out, m0, out_col)
+        _products_3(b, b_row, b_col, 0, 0, xf, m0, k_dim, out, m0, out_col, slots)
     elif rows == 2:
-        _products_2(b, b_row, b_col, 0, 0, xf, m0, k_dim, out, m0, out_col)
+        _products_2(b, b_row, b_col, 0, 0, xf, m0, k_dim, out, m0, out_col, slots)
     else:
-        _products_1(b, b_row, b_col, 0, 0, xf, m0, k_dim, out, m0, out_col)
+        _products_1(b, b_row, b_col, 0, 0, xf, m0, k_dim, out, m0, out_col, slots)
 
 
 @njit(inline="always")
-def _times_tiles(xf, b, b_row, b_col, b_row_step, b_col_step, tiles, k_dim, out, out_col):
+def _times_tiles(xf, b, b_row, b_col, b_row_step, b_col_step, tiles, k_dim, out, out_col, slots):
     """For t < tiles: out[:, out_col + t * LANES:][:, :LANES] = xf[:, :k_dim] @ (tile t of b: k_dim rows from
     b_row + t * b_row_step, LANES columns from b_col + t * b_col_step), for every row of xf.
 
@@ -482,26 +523,27 @@ def _times_tiles(xf, b, b_row, b_col, b_row_step, b_col_step, tiles, k_dim, out,
     5-10% slower than 6 + 3 in a one-off A/B at 03d16e1.)"""
     rows = xf.shape[0]
     if rows <= TILE_ROWS:
-        _rows_times_tiles(xf, b, b_row, b_col, b_row_step, b_col_step, tiles, k_dim, out, out_col, 0, rows)
+        _rows_times_tiles(xf, b, b_row, b_col, b_row_step, b_col_step, tiles, k_dim, out, out_col, 0, rows, slots)
         return
     full = rows - rows % TILE_ROWS
     for t in range(tiles):
         for m0 in range(0, full, TILE_ROWS):
             _products(b, b_row + t * b_row_step, b_col + t * b_col_step, 0, 0, xf, m0, k_dim, out,
-                      out_col + t * LANES, TILE_ROWS, 1)
+                      out_col + t * LANES, TILE_ROWS, 1, slots)
     if full < rows:  # the rest as a group of its own (one or two rows, or three over fp32: several tiles a pass)
-        _rows_times_tiles(xf, b, b_row, b_col, b_row_step, b_col_step, tiles, k_dim, out, out_col, full, rows - full)
+        _rows_times_tiles(xf, b, b_row, b_col, b_row_step, b_col_step, tiles, k_dim, out, out_col, full, rows - full,
+                          slots)
 
 
 @njit(inline="always")
-def _rows_times_tiles(xf, b, b_row, b_col, b_row_step, b_col_step, tiles, k_dim, out, out_col, m0, rows):
+def _rows_times_tiles(xf, b, b_row, b_col, b_row_step, b_col_step, tiles, k_dim, out, out_col, m0, rows, slots):
     """`_times_tiles` for rows m0 .. m0 + rows - 1 (at most TILE_ROWS), `_tiles_per_pass(rows)` tiles per pass."""
     per_pass = _tiles_per_pass(b, rows)
     t = 0
     while t < tiles:
         take = per_pass if t + per_pass <= tiles else 1
         _products(b, b_row + t * b_row_step, b_col + t * b_col_step, b_row_step, b_col_step, xf, m0, k_dim,
-                  out, out_col + t * LANES, rows, take)
+                  out, out_col + t * LANES, rows, take, slots)
         t += take
 
 
@@ -528,7 +570,7 @@ def _linear_kernel(x: np.ndarray, packed: np.ndarray, bias: np.ndarray, out: np.
         end = (task + 1) * tiles // tasks
         for first in range(task * tiles // tasks, end, TILE_GROUP):
             group = min(TILE_GROUP, end - first)
-            _times_tiles(xf, packed, first * k_dim, 0, k_dim, 0, group, k_dim, acc, 0)
+            _times_tiles(xf, packed, first * k_dim, 0, k_dim, 0, group, k_dim, acc, 0, None)
             for t in range(group):
                 n0 = (first + t) * LANES
                 for m in range(rows):
@@ -616,17 +658,17 @@ def _gather_widened(pool, kv, slots, out, dim):
 
 
 @njit(inline="always")
-def _scores(qf, kf, scores, width):
-    """scores[i, j] = qf[i] . kf[j] for every query row and key, over the first `width` columns (a multiple of
-    SCORE_LANES; zeros past head_dim). Every score comes out of the same micro-kernel (`_dot_products_2x4`: two rows
-    x four keys); odd edges repeat their last row or key rather than running other code, so a score depends only on
-    its two vectors."""
-    rows, keys = qf.shape[0], kf.shape[0]
+def _scores(qf, kf, scores, width, keys, slots):
+    """scores[i, j] = qf[i] . kf[j] (or kf[slots[j]], bf16 kf: `_dot_products_2x4`) for every query row and key
+    j < keys, over the first `width` columns (a multiple of SCORE_LANES; zeros past head_dim). Every score comes out
+    of the same micro-kernel (`_dot_products_2x4`: two rows x four keys); odd edges repeat their last row or key
+    rather than running other code, so a score depends only on its two vectors."""
+    rows = qf.shape[0]
     for i in range(0, rows, 2):
         ib = min(i + 1, rows - 1)
         for j in range(0, keys, _KEY_TILE):
             _dot_products_2x4(qf, i, ib, kf, j, min(j + 1, keys - 1), min(j + 2, keys - 1), min(j + 3, keys - 1),
-                              width, scores)
+                              width, scores, slots)
 
 
 @njit(inline="always")
@@ -731,8 +773,10 @@ def _softmax_weights(weights, m, power_bits):
 
 
 @functools.cache
-def _tree_attention_kernel(head_dim: int):
-    """The attention kernel compiled for one head_dim: a constant there, so the loops over it unroll."""
+def _tree_attention_kernel(head_dim: int, widened_copy: bool = False):
+    """The attention kernel compiled for one head_dim: a constant there, so the loops over it unroll.
+    `widened_copy`: each task copies its keys and values out of the pool, widened to fp32, and computes on the copy,
+    as every task did before the micro-kernels learnt to read the pool (for comparisons: the same bits)."""
 
     @njit(parallel=True, boundscheck=False, cache=_CACHE)  # no fast-math: see `_dot_products_2x4`
     def kernel(q, k_pool, v_pool, row_start, rows, ctx, key_start, key_slots, mask_start, mask, reach,
@@ -750,6 +794,12 @@ def _tree_attention_kernel(head_dim: int):
         dim = head_dim
         value_width = (dim + LANES - 1) // LANES * LANES
         score_width = (dim + SCORE_LANES - 1) // SCORE_LANES * SCORE_LANES  # <= value_width
+        # Where head_dim is a whole number of value tiles (64, 128), the micro-kernels read the pool's bf16 rows
+        # through the slots, widened in registers; otherwise each task widens its keys and values into a copy padded
+        # with zeros. Writing that copy and reading it back cost more than reading the pool: in whole verify steps
+        # (`benchmarks/results/cpu_attention.md`, AVX2 EPYC) the pool's attention took 0.72-0.93x the copies', a plain
+        # step's at 2048 keys 5.2 ms against 7.2.
+        in_place = value_width == dim and not widened_copy
         for task in prange(task_segment.shape[0]):
             s, kv, first, count = task_segment[task], task_kv[task], task_first[task], task_rows[task]
             if count == 0:
@@ -767,13 +817,15 @@ def _tree_attention_kernel(head_dim: int):
                 g, i = divmod(first + row, n)
                 for d in range(dim):
                     q_bits[row, d] = _widen(q[r0 + i, kv * group + g, d])
-            kv_bits = np.empty((keys, value_width), np.uint32)
-            if value_width > dim:  # head_dim not a multiple of LANES: the spare lanes of keys and values hold 0
-                kv_bits[:, dim:] = 0
-            _gather_widened(k_pool, kv, slots, kv_bits, dim)
             scores = np.empty((count, keys), np.float32)
-            _scores(q_bits.view(np.float32), kv_bits.view(np.float32), scores, score_width)
-            _gather_widened(v_pool, kv, slots, kv_bits, dim)  # the keys are done with: their buffer takes the values
+            if in_place:  # keys and values read from the pool through their slots, widened in registers
+                _scores(q_bits.view(np.float32), k_pool[kv], scores, score_width, keys, slots)
+            else:
+                kv_bits = np.empty((keys, value_width), np.uint32)
+                kv_bits[:, dim:] = 0  # the spare lanes of keys and values hold 0
+                _gather_widened(k_pool, kv, slots, kv_bits, dim)
+                _scores(q_bits.view(np.float32), kv_bits.view(np.float32), scores, score_width, keys, None)
+                _gather_widened(v_pool, kv, slots, kv_bits, dim)  # the keys are done with: the buffer takes the values
             # each row's softmax weights over all the segment's keys, exactly 0 where it may not look: a weight-0
             # key adds exactly nothing to a chain of fused multiply-adds, so the weighted sum below equals the chain
             # over the row's visible keys alone, in slot order
@@ -802,8 +854,11 @@ def _tree_attention_kernel(head_dim: int):
                 for t in range(c, m):
                     probs[row, visible[t]] = weights[t]
             weighted = np.empty((count, value_width), np.float32)
-            values = kv_bits.view(np.float32)
-            _times_tiles(probs, values, 0, 0, 0, LANES, value_width // LANES, keys, weighted, 0)
+            if in_place:
+                _times_tiles(probs, v_pool[kv], 0, 0, 0, LANES, value_width // LANES, keys, weighted, 0, slots)
+            else:
+                _times_tiles(probs, kv_bits.view(np.float32), 0, 0, 0, LANES, value_width // LANES, keys, weighted,
+                             0, None)
             for row in range(count):
                 g, i = divmod(first + row, n)
                 h = kv * group + g
@@ -823,17 +878,17 @@ def tree_attention(q: Tensor, k_pool: np.ndarray, v_pool: np.ndarray, layout: "T
 
 
 def tree_attention_bits(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, layout: "TreeAttentionLayout", *,
-                        fp32_out: bool = False, threads: int | None = None) -> np.ndarray:
+                        fp32_out: bool = False, threads: int | None = None, widened_copy: bool = False) -> np.ndarray:
     """`tree_attention` on bf16 bits: q [T, H, D] uint16 -> [T, H * D] uint16. `threads`: numba's thread count
-    where the caller has it already (`Bf16Linear.bits`)."""
+    where the caller has it already (`Bf16Linear.bits`). `widened_copy`: compute on widened copies of the keys and
+    values (`_tree_attention_kernel`; the same bits, slower), for comparisons."""
     T, H, D = q.shape
     out = np.empty((T, H * D), np.float32 if fp32_out else np.uint16)
     threads = numba.get_num_threads() if threads is None else _checked_threads(threads)
     tasks = layout.tasks(k_pool.shape[0], H // k_pool.shape[0], threads)
-    _tree_attention_kernel(D)(q, k_pool, v_pool, layout.row_start, layout.rows, layout.ctx, layout.key_start,
-                              layout.key_slots, layout.mask_start, layout.mask, layout.reach, *tasks,
-                              H // k_pool.shape[0],
-                              np.float32(D ** -0.5), out)
+    kernel = _tree_attention_kernel(D, widened_copy)
+    kernel(q, k_pool, v_pool, layout.row_start, layout.rows, layout.ctx, layout.key_start, layout.key_slots,
+           layout.mask_start, layout.mask, layout.reach, *tasks, H // k_pool.shape[0], np.float32(D ** -0.5), out)
     return out
 
 
