@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=40)
     args = parser.parse_args(argv)
     if args.rounds < 1:
-        parser.error("--rounds must be at least 1")
+        parser.error(f"--rounds must be >= 1; got {args.rounds}")
     result = measure(args.rounds)
     print(save_results("cpu_attention", result, write_markdown).read_text())
     return 0

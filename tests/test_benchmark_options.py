@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import serving, throughput
+from benchmarks import cpu_attention, serving, throughput
 
 
 def refused_before_running(monkeypatch, owner, measuring: str, main, argv: list[str]) -> str:
@@ -45,3 +45,8 @@ def test_throughput_refuses_bad_options_before_measuring(monkeypatch, capsys, ar
 def test_serving_refuses_bad_options_before_starting_the_server(monkeypatch, capsys, argv, message):
     refused_before_running(monkeypatch, serving.ServingStack, "build", serving.main, argv)
     assert message in capsys.readouterr().err
+
+
+def test_cpu_attention_refuses_a_round_count_below_one_before_measuring(monkeypatch, capsys):
+    refused_before_running(monkeypatch, cpu_attention, "measure", cpu_attention.main, ["--rounds", "0"])
+    assert "--rounds must be >= 1; got 0" in capsys.readouterr().err
