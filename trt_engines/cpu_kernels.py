@@ -24,7 +24,7 @@ Both are batch-invariant by construction, which is what lossless bf16 speculatio
   order, where a masked key's weight is exactly 0 and so adds exactly nothing. A draft token's visible keys are the
   ones plain decoding of its path sees (its ancestors are the tokens plain decoding saw, in the same order), so
   verified anywhere in a draft tree, on any branch, next to any other requests, it gets bitwise the result it gets
-  in plain decoding. It runs without fast-math, its orders spelled out in LLVM IR (`_dot_products_2x4`,
+  in plain decoding. It runs without fast-math, its orders spelled out in LLVM IR (`_dot_products`,
   `_scaled_lane_sum`), so its bits are the same whether numba compiled it in this process or loaded it from its
   on-disk cache, and on AVX2 and AVX-512.
 
@@ -51,7 +51,7 @@ from torch import Tensor
 
 # The fused forward's elementwise kernels and RMSNorm (`cpu_forward`) let LLVM vectorise their sums (reassociation)
 # and fuse multiply-adds (contraction): neither depends on the data or the batch, so they stay batch-invariant. The
-# attention kernel takes neither: it spells out its orders (`_dot_products_2x4`), since under reassociation the copy
+# attention kernel takes neither: it spells out its orders (`_dot_products`), since under reassociation the copy
 # of it numba caches on disk added its scores in another order than the copy its compiling process ran.
 _FASTMATH = {"reassoc", "contract", "nsz"}
 
@@ -381,80 +381,109 @@ def _halving_sum(builder, vector):
     return builder.fadd(first, second)
 
 
-@intrinsic
-def _dot_products_2x4(typingctx, qf, ia, ib, kf, j0, j1, j2, j3, width, scores, slots):
-    """scores[i, j] = qf[i, :width] . kf[j, :width] for i in (ia, ib) and j in (j0, j1, j2, j3): qf, kf and scores
-    2D fp32 with contiguous rows, width a positive multiple of SCORE_LANES (columns past head_dim hold zeros). Or kf
-    is bf16 bits (uint16: a layer's KV pool under one KV head, [slots, head_dim]) and `slots` (int64) says which of
-    its rows key j is: scores[i, j] = qf[i] . kf[slots[j]], each key widened to fp32 in registers (the same values,
-    so the same bits, as a widened copy gives), width then at most head_dim; `slots` is None for fp32 kf.
+def _dot_products(rows: int, keys: int):
+    """An intrinsic `(qf, i0, n_rows, kf, j0, n_keys, width, scores, slots) -> None`: for i = min(i0 + r, n_rows - 1),
+    r < rows, and j = min(j0 + c, n_keys - 1), c < keys (odd edges repeat their last row or key),
+
+        scores[i, j] = qf[i, :width] . kf[j, :width]
+
+    qf, kf and scores 2D fp32 with contiguous rows, width a positive multiple of SCORE_LANES (columns past head_dim
+    hold zeros). Or kf is bf16 bits (uint16: a layer's KV pool under one KV head, [slots, head_dim]) and `slots`
+    (int64) says which of its rows key j is: scores[i, j] = qf[i] . kf[slots[j]], each key widened to fp32 in
+    registers (the same values, so the same bits, as a widened copy gives), width then at most head_dim; `slots` is
+    None for fp32 kf.
 
     In LLVM IR, like `_tile_products`, so that no fast-math flag is needed: each dot product is one vector of
     SCORE_LANES partial sums, each a chain of fused multiply-adds (llvm.fma) over every SCORE_LANES-th element in
     order, then halved twice and summed (lanes 0-3 + 4-7, then 0-1 + 2-3, then 0 + 1). Every order is spelled out,
-    so no optimisation may change a bit. Under `reassoc` (the attention kernel's flags before 57c7bf6) the kernel
-    numba loaded from its on-disk cache added scores in another order than the copy its compiling process ran, so a
-    process that found the cache decoded other bf16 texts than one that compiled the kernel
-    (`test_a_process_that_compiles_the_kernels_and_one_that_loads_them_from_numbas_cache_agree`). Eight dot
-    products at once keep eight independent chains in flight to cover the multiply-add latency (14 of AVX2's 16
-    vector registers)."""
-    if not (all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in (qf, kf, scores))
-            and qf.dtype == scores.dtype == types.float32 and kf.dtype in (types.float32, types.uint16)):
-        return None
-    bits = kf.dtype == types.uint16
-    if bits != (isinstance(slots, types.Array) and slots.ndim == 1 and slots.dtype == types.int64):
-        return None  # bf16 keys come from a pool through their slots; fp32 keys are rows of their own
+    so no optimisation may change a bit, and a score's bits depend only on its two vectors, never on the block
+    shape. Under `reassoc` (the attention kernel's flags before 57c7bf6) the kernel numba loaded from its on-disk
+    cache added scores in another order than the copy its compiling process ran, so a process that found the cache
+    decoded other bf16 texts than one that compiled the kernel
+    (`test_a_process_that_compiles_the_kernels_and_one_that_loads_them_from_numbas_cache_agree`). The rows x keys
+    accumulators stay in registers over the loop; per step the fewer of the rows' and keys' vectors are held and
+    the others streamed past them (rows x keys + min(rows, keys) + 1 of AVX2's 16 vector registers)."""
 
-    def codegen(context, builder, signature, args):
-        q_type, k_type, s_type = signature.args[0], signature.args[3], signature.args[9]
-        i64 = ir.IntType(64)
-        q_view = context.make_array(q_type)(context, builder, args[0])
-        k_view = context.make_array(k_type)(context, builder, args[3])
-        s_view = context.make_array(s_type)(context, builder, args[9])
-        index = [context.cast(builder, args[n], signature.args[n], types.int64)
-                 for n in range(10) if n not in (0, 3, 9)]
-        rows, keys, width = index[:2], index[2:6], index[6]
+    def typer(typingctx, qf, i0, n_rows, kf, j0, n_keys, width, scores, slots):
+        if not (all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in (qf, kf, scores))
+                and qf.dtype == scores.dtype == types.float32 and kf.dtype in (types.float32, types.uint16)):
+            return None
+        bits = kf.dtype == types.uint16
+        if bits != (isinstance(slots, types.Array) and slots.ndim == 1 and slots.dtype == types.int64):
+            return None  # bf16 keys come from a pool through their slots; fp32 keys are rows of their own
 
-        def item(array_type, view, i, j):
-            return cgutils.get_item_pointer(context, builder, array_type, view, [i, j], wraparound=False)
+        def codegen(context, builder, signature, args):
+            q_type, k_type, s_type = signature.args[0], signature.args[3], signature.args[7]
+            i64 = ir.IntType(64)
+            q_view = context.make_array(q_type)(context, builder, args[0])
+            k_view = context.make_array(k_type)(context, builder, args[3])
+            s_view = context.make_array(s_type)(context, builder, args[7])
+            first_row, row_end, first_key, key_end, width = (
+                context.cast(builder, args[n], signature.args[n], types.int64) for n in (1, 2, 4, 5, 6))
 
-        q_rows = [item(q_type, q_view, i, ir.Constant(i64, 0)) for i in rows]
-        if bits:  # key j is row slots[j] of the pool
-            slot_type = signature.args[10]
-            slot_view = context.make_array(slot_type)(context, builder, args[10])
-            keys_rows = [builder.load(cgutils.get_item_pointer(context, builder, slot_type, slot_view, [j],
-                                                               wraparound=False)) for j in keys]
-        else:
-            keys_rows = keys
-        k_rows = [item(k_type, k_view, j, ir.Constant(i64, 0)) for j in keys_rows]
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32x8, [_F32x8] * 3), "llvm.fma.v8f32")
+            def clamped(first, offset, end):
+                index = builder.add(first, ir.Constant(i64, offset))
+                return builder.select(builder.icmp_signed("<", index, end), index,
+                                      builder.sub(end, ir.Constant(i64, 1)))
 
-        def iteration(k, acc):
-            def load(pointer):
-                return builder.load(builder.bitcast(builder.gep(pointer, [k]), _F32x8.as_pointer()), align=4)
+            def item(array_type, view, i, j):
+                return cgutils.get_item_pointer(context, builder, array_type, view, [i, j], wraparound=False)
 
-            def load_key(pointer):
-                if not bits:
-                    return load(pointer)
-                raw = builder.load(builder.bitcast(builder.gep(pointer, [k]), _I16x8.as_pointer()), align=2)
-                return builder.bitcast(builder.shl(builder.zext(raw, _I32x8), _SIXTEEN_x8), _F32x8)
+            row_index = [clamped(first_row, r, row_end) for r in range(rows)]
+            key_index = [clamped(first_key, c, key_end) for c in range(keys)]
+            q_rows = [item(q_type, q_view, i, ir.Constant(i64, 0)) for i in row_index]
+            if bits:  # key j is row slots[j] of the pool
+                slot_type = signature.args[8]
+                slot_view = context.make_array(slot_type)(context, builder, args[8])
+                key_rows = [builder.load(cgutils.get_item_pointer(context, builder, slot_type, slot_view, [j],
+                                                                  wraparound=False)) for j in key_index]
+            else:
+                key_rows = key_index
+            k_rows = [item(k_type, k_view, j, ir.Constant(i64, 0)) for j in key_rows]
+            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32x8, [_F32x8] * 3),
+                                                 "llvm.fma.v8f32")
 
-            k_values = [load_key(p) for p in k_rows]
-            updated = [[None] * len(keys) for _ in rows]
-            for r, q_row in enumerate(q_rows):
-                q_value = load(q_row)
-                for j, k_value in enumerate(k_values):
-                    updated[r][j] = builder.call(fma, [q_value, k_value, acc[r][j]])
-            return updated
+            def iteration(k, acc):
+                def load(pointer):
+                    return builder.load(builder.bitcast(builder.gep(pointer, [k]), _F32x8.as_pointer()), align=4)
 
-        updated = _accumulating_loop(builder, "dot_products", _F32x8, (len(rows), len(keys)), SCORE_LANES, width,
-                                     iteration)
-        for r, i in enumerate(rows):
-            for j, key in enumerate(keys):
-                builder.store(_halving_sum(builder, updated[r][j]), item(s_type, s_view, i, key))
-        return context.get_dummy_value()
+                def load_key(pointer):
+                    if not bits:
+                        return load(pointer)
+                    raw = builder.load(builder.bitcast(builder.gep(pointer, [k]), _I16x8.as_pointer()), align=2)
+                    return builder.bitcast(builder.shl(builder.zext(raw, _I32x8), _SIXTEEN_x8), _F32x8)
 
-    return types.void(qf, ia, ib, kf, j0, j1, j2, j3, width, scores, slots), codegen
+                updated = [[None] * keys for _ in range(rows)]
+                if keys <= rows:  # the keys' vectors held, each row's streamed past them
+                    k_values = [load_key(p) for p in k_rows]
+                    for r, q_row in enumerate(q_rows):
+                        q_value = load(q_row)
+                        for c, k_value in enumerate(k_values):
+                            updated[r][c] = builder.call(fma, [q_value, k_value, acc[r][c]])
+                else:  # the rows' vectors held, each key's streamed past them
+                    q_values = [load(p) for p in q_rows]
+                    for c, k_row in enumerate(k_rows):
+                        k_value = load_key(k_row)
+                        for r, q_value in enumerate(q_values):
+                            updated[r][c] = builder.call(fma, [q_value, k_value, acc[r][c]])
+                return updated
+
+            updated = _accumulating_loop(builder, "dot_products", _F32x8, (rows, keys), SCORE_LANES, width,
+                                         iteration)
+            for r, i in enumerate(row_index):
+                for c, j in enumerate(key_index):
+                    builder.store(_halving_sum(builder, updated[r][c]), item(s_type, s_view, i, j))
+            return context.get_dummy_value()
+
+        return types.void(qf, i0, n_rows, kf, j0, n_keys, width, scores, slots), codegen
+
+    typer.__name__ = f"_dot_products_{rows}x{keys}"
+    return intrinsic(typer)
+
+
+_dot_products_4x3 = _dot_products(4, 3)  # the score loop's block (`_scores`) ...
+_dot_products_3x4 = _dot_products(3, 4)  # ... and its last rows': three (a plain step's task: 3 heads a KV head) ...
+_dot_products_2x4 = _dot_products(2, 4)  # ... or one or two
 
 
 def _tiles_per_pass(b, rows):  # pragma: no cover - replaced by the overload inside numba
@@ -645,7 +674,6 @@ _EXP_FLOOR = np.float32(-87.0)  # below it exp underflows to (nearly) 0 and 2^n 
 _EXP_CEIL = np.float32(88.72283)  # above it expf overflows to inf
 _MAX_LANES = 2 * SCORE_LANES  # running maxima and partial sums in the softmax (`_softmax_weights`)
 _ROWS_PER_TASK = 16  # query rows (tokens x heads of a KV group) per task of `_tree_attention_kernel`
-_KEY_TILE = 4  # keys per step of the score loop (times two query rows: eight dot products at once)
 
 
 @njit(inline="always")
@@ -659,16 +687,24 @@ def _gather_widened(pool, kv, slots, out, dim):
 
 @njit(inline="always")
 def _scores(qf, kf, scores, width, keys, slots):
-    """scores[i, j] = qf[i] . kf[j] (or kf[slots[j]], bf16 kf: `_dot_products_2x4`) for every query row and key
-    j < keys, over the first `width` columns (a multiple of SCORE_LANES; zeros past head_dim). Every score comes out
-    of the same micro-kernel (`_dot_products_2x4`: two rows x four keys); odd edges repeat their last row or key
-    rather than running other code, so a score depends only on its two vectors."""
+    """scores[i, j] = qf[i] . kf[j] (or kf[slots[j]], bf16 kf: `_dot_products`) for every query row and key
+    j < keys, over the first `width` columns (a multiple of SCORE_LANES; zeros past head_dim). Rows go four at a
+    time, three keys a block; the last one to three rows in one pass of blocks of four keys. A score is the same
+    chain whichever block computes it (`_dot_products`), so it depends only on its two vectors. Twelve dot products
+    a block instead of eight (two rows x four keys, the only block at 8a52e3f) made attention calls 0.86-0.95x as
+    long, with the same bits (one-off A/B in one process against 8a52e3f's kernel, 2-core AVX2 EPYC: contexts
+    128-2048, 1-64 new tokens; plain steps 0.93-0.95x)."""
     rows = qf.shape[0]
-    for i in range(0, rows, 2):
-        ib = min(i + 1, rows - 1)
-        for j in range(0, keys, _KEY_TILE):
-            _dot_products_2x4(qf, i, ib, kf, j, min(j + 1, keys - 1), min(j + 2, keys - 1), min(j + 3, keys - 1),
-                              width, scores, slots)
+    full = rows - rows % 4
+    for i in range(0, full, 4):
+        for j in range(0, keys, 3):
+            _dot_products_4x3(qf, i, rows, kf, j, keys, width, scores, slots)
+    if rows - full == 3:
+        for j in range(0, keys, 4):
+            _dot_products_3x4(qf, full, rows, kf, j, keys, width, scores, slots)
+    elif rows > full:
+        for j in range(0, keys, 4):
+            _dot_products_2x4(qf, full, rows, kf, j, keys, width, scores, slots)
 
 
 @njit(inline="always")
@@ -778,7 +814,7 @@ def _tree_attention_kernel(head_dim: int, widened_copy: bool = False):
     `widened_copy`: each task copies its keys and values out of the pool, widened to fp32, and computes on the copy,
     as every task did before the micro-kernels learnt to read the pool (for comparisons: the same bits)."""
 
-    @njit(parallel=True, boundscheck=False, cache=_CACHE)  # no fast-math: see `_dot_products_2x4`
+    @njit(parallel=True, boundscheck=False, cache=_CACHE)  # no fast-math: see `_dot_products`
     def kernel(q, k_pool, v_pool, row_start, rows, ctx, key_start, key_slots, mask_start, mask, reach,
                task_segment, task_kv, task_first, task_rows, group, scale, out):
         """softmax(q k^T * scale) v for every query row, over its visible keys only (module docstring). A task is
