@@ -833,8 +833,8 @@ def _tree_attention_kernel(head_dim: int, widened_copy: bool = False):
         # Where head_dim is a whole number of value tiles (64, 128), the micro-kernels read the pool's bf16 rows
         # through the slots, widened in registers; otherwise each task widens its keys and values into a copy padded
         # with zeros. Writing that copy and reading it back cost more than reading the pool: in whole verify steps
-        # (`benchmarks/results/cpu_attention.md`, AVX2 EPYC) the pool's attention took 0.72-0.93x the copies', a plain
-        # step's at 2048 keys 5.2 ms against 7.2.
+        # (`benchmarks/results/cpu_attention.md`, AVX2 EPYC) the pool's attention took 0.73-0.92x the copies', a plain
+        # step's at 2048 keys 5.1 ms against 6.9.
         in_place = value_width == dim and not widened_copy
         for task in prange(task_segment.shape[0]):
             s, kv, first, count = task_segment[task], task_kv[task], task_first[task], task_rows[task]
