@@ -430,7 +430,7 @@ def test_a_process_that_compiles_the_kernels_and_one_that_loads_them_from_numbas
     # numba caches compiled kernels on disk. Under fast-math `reassoc` the attention kernel loaded from that cache
     # added its scores in another order than the copy its compiling process ran, so bf16 texts depended on whether
     # a process found the cache (the first run after an install decoded other texts than the next). The kernels now
-    # spell out every order (`_dot_products_2x4`): the first subprocess (`kernel_runs`) compiles them into an empty
+    # spell out every order (`_dot_products`): the first subprocess (`kernel_runs`) compiles them into an empty
     # cache, the second loads them, and both must give bitwise the same logits.
     compiled = _digest(kernel_runs["compiling"].output())
     cache = kernel_runs["folder"] / "numba_cache"
