@@ -1,7 +1,7 @@
 """What the CPU tree-attention kernel costs whole verify steps, reading the KV pool's bf16 rows in its micro-kernels
 (`trt_engines.cpu_kernels.tree_attention_bits`) against computing on widened fp32 copies of them, as every task did
-before (`widened_copy=True`): the default engine (bf16, numba kernels), one request at contexts 128, 512 and 2048,
-plain steps and draft trees of 4 and 16 nodes.
+before (`widened_copy=True`): the default engine (bf16, its numba attention kernel), one request at contexts 128,
+512 and 2048, plain steps and draft trees of 4 and 16 nodes.
 
     .venv/bin/python -m benchmarks.cpu_attention [--rounds 40]
 
@@ -51,9 +51,9 @@ class _TimedAttention:
 
 def measure(rounds: int) -> dict:
     engine = TorchEngine("default", dtype=torch.bfloat16, num_blocks=(max(CONTEXTS) + max(NODES) + 32) // 16 + 8)
-    if not engine.kernel_linears:
-        raise SystemExit("cpu_attention measures the numba CPU kernels; this engine runs PyTorch's "
-                         "(cpu_kernels='auto' on a CPU with bf16 dot products)")
+    if not engine.kernel_attention:
+        raise SystemExit("cpu_attention measures the numba tree-attention kernel; this engine runs PyTorch's "
+                         "attention (cpu_kernels='torch')")
     timed = _TimedAttention(cpu_forward.tree_attention_bits)
     cpu_forward.tree_attention_bits = timed
     rng = np.random.default_rng(0)
@@ -91,11 +91,11 @@ def write_markdown(path, result: dict) -> None:
         "# cpu_attention: CPU tree attention reading the KV pool against widened copies, in whole verify steps",
         "",
         f"Command: `python -m benchmarks.cpu_attention --rounds {result['rounds']}` on {result['machine']}, "
-        f"{result['threads']} numba threads. Default model, bf16, numba kernels; one request; nodes = draft-tree "
-        "nodes (0: a plain step). 'pool': the attention's micro-kernels read the pool's bf16 rows through the slots "
-        "(the kernel now); 'copy': each task first widens its keys and values into fp32 copies (before). Steps of "
-        f"the two ways alternate; medians of {result['rounds']} rounds; attention ms: the step's attention calls "
-        "(one a layer) summed, mean over rounds.",
+        f"{result['threads']} numba threads. Default model, bf16, the default engine's kernels; one request; "
+        "nodes = draft-tree nodes (0: a plain step). 'pool': the attention's micro-kernels read the pool's bf16 "
+        "rows through the slots (the kernel now); 'copy': each task first widens its keys and values into fp32 "
+        f"copies (before). Steps of the two ways alternate; medians of {result['rounds']} rounds; attention ms: the "
+        "step's attention calls (one a layer) summed, mean over rounds.",
         "",
         "| context | nodes | step ms (pool) | step ms (copy) | pool / copy | attention ms (pool) | attention ms (copy) "
         "| same tokens |",

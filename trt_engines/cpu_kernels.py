@@ -174,7 +174,15 @@ def _store_run_overload(out, i, j, values, start, count):
 _F32xV = ir.VectorType(ir.FloatType(), VECTOR_FLOATS)
 _I32xV = ir.VectorType(ir.IntType(32), VECTOR_FLOATS)
 _I16xV = ir.VectorType(ir.IntType(16), VECTOR_FLOATS)
-_SIXTEEN_xV = ir.Constant(_I32xV, [16] * VECTOR_FLOATS)
+
+
+def _widened_bits(builder, raw):
+    """A vector of bf16 bits (LLVM IR, <n x i16>) as the fp32 values they hold (<n x float>): zero-extended and
+    shifted into the high halves, exactly (`_widen`)."""
+    lanes = raw.type.count
+    wide = ir.VectorType(ir.IntType(32), lanes)
+    shifted = builder.shl(builder.zext(raw, wide), ir.Constant(wide, [16] * lanes))
+    return builder.bitcast(shifted, ir.VectorType(ir.FloatType(), lanes))
 
 
 def _accumulating_loop(builder, name: str, vector_type, shape: tuple[int, int], step: int, end, body, *,
@@ -296,8 +304,7 @@ def _tile_products(rows: int, tiles: int = 1):
                     slot = builder.load(cgutils.get_item_pointer(context, builder, slot_type, slot_view,
                                                                  [builder.add(tile_rows[v // 2], k)], wraparound=False))
                     pointer = item(b_type, b_view, slot, builder.add(tile_cols[v // 2], const(VECTOR_FLOATS * (v % 2))))
-                    raw = builder.load(builder.bitcast(pointer, _I16xV.as_pointer()), align=2)
-                    return builder.bitcast(builder.shl(builder.zext(raw, _I32xV), _SIXTEEN_xV), _F32xV)
+                    return _widened_bits(builder, builder.load(builder.bitcast(pointer, _I16xV.as_pointer()), align=2))
                 if not bf16:
                     pointer = item(b_type, b_view, builder.add(tile_rows[v // 2], k),
                                    builder.add(tile_cols[v // 2], const(VECTOR_FLOATS * (v % 2))))
@@ -361,9 +368,7 @@ _products_3x2 = _tile_products(3, 2)
 
 SCORE_LANES = 8  # fp32 lanes of a score's partial sums: fixed, so scores have the same bits on AVX2 and AVX-512
 _F32x8 = ir.VectorType(ir.FloatType(), SCORE_LANES)
-_I32x8 = ir.VectorType(ir.IntType(32), SCORE_LANES)
 _I16x8 = ir.VectorType(ir.IntType(16), SCORE_LANES)
-_SIXTEEN_x8 = ir.Constant(_I32x8, [16] * SCORE_LANES)  # bf16 bits, zero-extended, shifted up: the fp32 bits
 
 
 def _lanes(builder, vector, picked: list[int]):
@@ -451,7 +456,7 @@ def _dot_products(rows: int, keys: int):
                     if not bits:
                         return load(pointer)
                     raw = builder.load(builder.bitcast(builder.gep(pointer, [k]), _I16x8.as_pointer()), align=2)
-                    return builder.bitcast(builder.shl(builder.zext(raw, _I32x8), _SIXTEEN_x8), _F32x8)
+                    return _widened_bits(builder, raw)
 
                 updated = [[None] * keys for _ in range(rows)]
                 if keys <= rows:  # the keys' vectors held, each row's streamed past them
