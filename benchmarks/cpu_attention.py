@@ -15,7 +15,6 @@ target tokens are checked equal here too). Writes benchmarks/results/cpu_attenti
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -24,7 +23,7 @@ import numpy as np
 import torch
 
 import trt_engines.cpu_forward as cpu_forward
-from benchmarks.results_files import save_results
+from benchmarks.results_files import rounds_benchmark_main
 from benchmarks.verify_cost import random_tree
 from trt_engines.base import VerifyItem
 from trt_engines.cpu_kernels import cpu_description
@@ -109,14 +108,7 @@ def write_markdown(path, result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=40)
-    args = parser.parse_args(argv)
-    if args.rounds < 1:
-        parser.error(f"--rounds must be >= 1; got {args.rounds}")
-    result = measure(args.rounds)
-    print(save_results("cpu_attention", result, write_markdown).read_text())
-    return 0
+    return rounds_benchmark_main("cpu_attention", __doc__, measure, write_markdown, argv)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ reported times are medians over rounds. Writes benchmarks/results/linear_rows.{j
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.results_files import save_results
+from benchmarks.results_files import rounds_benchmark_main
 from orchestrator.roofline import ModelShape
 from trt_engines.cpu_kernels import Bf16Linear, bf16_bits, cpu_description
 from trt_engines.prepare import resolve_model_dir
@@ -113,14 +112,7 @@ def write_markdown(path: Path, result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=40)
-    args = parser.parse_args(argv)
-    if args.rounds < 1:
-        parser.error("--rounds must be at least 1")
-    result = measure(args.rounds)
-    print(save_results("linear_rows", result, write_markdown).read_text())
-    return 0
+    return rounds_benchmark_main("linear_rows", __doc__, measure, write_markdown, argv)
 
 
 if __name__ == "__main__":

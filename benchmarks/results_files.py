@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 from collections.abc import Callable
@@ -26,3 +27,17 @@ def save_results(name: str, result: dict, write_markdown: Callable[[Path, dict],
     write_markdown(markdown, result)
     return markdown
 
+
+
+def rounds_benchmark_main(name: str, doc: str, measure: Callable[[int], dict],
+                          write_markdown: Callable[[Path, dict], None], argv: list[str] | None,
+                          default_rounds: int = 40) -> int:
+    """The command line of a benchmark whose only option is `--rounds` (interleaved measuring rounds): refuses a
+    count below 1 before measuring, runs `measure(rounds)`, saves `results/<name>.*` and prints the markdown."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=default_rounds)
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1; got {args.rounds}")
+    print(save_results(name, measure(args.rounds), write_markdown).read_text())
+    return 0
