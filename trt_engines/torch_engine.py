@@ -62,6 +62,7 @@ one's, reuses them.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -74,6 +75,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from drafter.tree import DraftTree, InvalidTreeError
 from trt_engines.base import (
@@ -164,6 +166,28 @@ class _AttentionCall:
             # KV head (the leading axis, see `_PagedAttention.__call__`).
             self.mask = m[None, :, None].expand(1, self.B, group, self.Tq, self.L).reshape(
                 1, self.B, group * self.Tq, self.L)
+
+
+# SDPA backends the engine lets PyTorch choose from on CUDA: all but cuDNN. Recent PyTorch builds put cuDNN attention
+# first on Hopper (`check_prefer_cudnn_attention` in ATen's sdp_utils.cpp), and cuDNN builds an execution graph for
+# every new problem shape (batch, query rows, keys) before running it, tens of ms of host time, cached per shape. A
+# serving step's keys grow every step and its trees change the query rows, so speculating runs keep meeting new shapes.
+# On an H200 with Llama-3.1-8B's shape, 32 requests at cap 16, the first `fixed:4` run in a process took 74-80 ms a
+# verify step (its plain steps too) against plain decoding's 26-28, and the same run repeated in the same process
+# 26.5-27 ms; with cuDNN left out the first run took 39.6 ms against plain decoding's 34.7 (one-off runs,
+# `gpu_orchestrator_cap16_aa282b4.md`'s notes); what is left of that excess is not explained. The memory-efficient
+# kernel takes the same masks with no per-shape setup.
+SHAPE_STABLE_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+
+
+def sdpa_backends_for(device: torch.device) -> contextlib.AbstractContextManager:
+    """The context a forward on `device` runs its SDPA calls in: on CUDA, every backend but cuDNN
+    (`SHAPE_STABLE_SDPA_BACKENDS`); elsewhere PyTorch's own choice. PyTorch's switches are process-wide; the engine's
+    forwards never overlap (a pipelined verify ends before the orchestrator's next step), so each forward keeps them
+    from start to end, and they are as they were after it."""
+    if device.type == "cuda":
+        return sdpa_kernel(list(SHAPE_STABLE_SDPA_BACKENDS))
+    return contextlib.nullcontext()
 
 
 def _batch_invariant_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None) -> Tensor:
@@ -755,7 +779,8 @@ class TorchEngine:
             attention = _PagedAttention(self.kv, segments, group=self.args.group_size, dtype=self.dtype,
                                         device=self.device, call_cost=self.attention_call_cost,
                                         batch_invariant=batch_invariant)
-        return self.model(tokens, positions, attention, invariant_rows=batch_invariant)
+        with sdpa_backends_for(self.device):
+            return self.model(tokens, positions, attention, invariant_rows=batch_invariant)
 
     def _sample(self, segments: Sequence[_Segment], logits: Tensor) -> list[np.ndarray]:
         """Target tokens per segment from fp32 `logits` [tokens, vocab]: one argmax over all rows when every request
