@@ -21,6 +21,12 @@ says nothing about real text. Two things are measured:
    request-step, steps split into micro-batches, drafting hidden behind verifies, and the step-time model's median
    error (the datasheet roofline fitted at start-up by `fit_step_model`, then refit online from the steps).
 
+`--passes 2` serves each cap's runs twice over the same prompts and reports both passes. `none` and `fixed:B`
+repeat their batches in the second pass (greedy outputs, drafts from fresh indexes), so they meet only shapes the
+first pass met; `goodput` mostly does (its step-time model and calibration keep learning). Where a GPU library sets
+up per shape (cuDNN attention builds an execution graph per problem shape, `torch_engine.SHAPE_STABLE_SDPA_BACKENDS`),
+the first pass pays for it and the second does not: the gap between the passes says how much such costs weigh.
+
 Without CUDA (and without --device cpu) it says so and exits 0. Writes gpu_orchestrator.json (+ .md) to --out-dir
 after the lossless part and after each cap, so a run stopped by a time limit keeps what it measured.
 """
@@ -140,8 +146,9 @@ def lossless(device, *, requests: int, max_tokens: int) -> dict:
 
 
 def speed(device, model_name: str, *, caps: tuple[int, ...], requests_per_cap: dict[int, int],
-          max_tokens: int, on_cap=None) -> dict:
-    """The speed part; `on_cap(partial result)` after each cap, so a run stopped by a time limit keeps its caps."""
+          max_tokens: int, passes: int = 1, on_cap=None) -> dict:
+    """The speed part; `on_cap(partial result)` after each cap, so a run stopped by a time limit keeps its caps.
+    `passes`: how many times each cap's runs are served (module docstring); rows then carry their `pass`."""
     import tempfile
 
     import torch
@@ -172,21 +179,25 @@ def speed(device, model_name: str, *, caps: tuple[int, ...], requests_per_cap: d
         serve_together(engine, step_model, (("none", 1), ("goodput", 2)), prompts_by_cap[caps[0]][:2], cap=2,
                        max_tokens=8, datastores=datastores)
         for cap in caps:
-            baseline = None
-            for run in serve_together(engine, step_model, SPEED_RUNS, prompts_by_cap[cap], cap=cap,
-                                      max_tokens=max_tokens, datastores=datastores):
-                outputs = run.pop("outputs")
-                baseline = baseline or (run["tokens_per_s"], outputs)
-                run["speedup_over_none"] = run["tokens_per_s"] / baseline[0]
-                # bf16 on a GPU is not batch-invariant: the batch's shape may flip a near-tie (reported, not a goal)
-                run["identical_to_none_fraction"] = sum(a == b for a, b in zip(outputs, baseline[1])) / len(outputs)
-                rows.append(run)
-                print(f"speed cap {cap:<3d} {run['policy']:8s} micro-batches {run['micro_batches']!s:8s} "
-                      f"{run['tokens_per_s']:8.1f} tok/s ({run['speedup_over_none']:.2f}x none), "
-                      f"{run['nodes_per_request_step']:.1f} nodes/request-step, {run['split_steps']}/{run['steps']} "
-                      f"split, step err {run['step_model_median_abs_err'] or 0:.1%}", flush=True)
-            if on_cap is not None:
-                on_cap(result)
+            for pass_number in range(1, passes + 1):
+                baseline = None
+                for run in serve_together(engine, step_model, SPEED_RUNS, prompts_by_cap[cap], cap=cap,
+                                          max_tokens=max_tokens, datastores=datastores):
+                    outputs = run.pop("outputs")
+                    baseline = baseline or (run["tokens_per_s"], outputs)
+                    run["speedup_over_none"] = run["tokens_per_s"] / baseline[0]
+                    # bf16 on a GPU is not batch-invariant: the batch's shape may flip a near-tie (reported only)
+                    run["identical_to_none_fraction"] = sum(a == b for a, b in zip(outputs, baseline[1])) / len(outputs)
+                    if passes > 1:
+                        run["pass"] = pass_number
+                    rows.append(run)
+                    print(f"speed cap {cap:<3d} " + (f"pass {pass_number} " if passes > 1 else "")
+                          + f"{run['policy']:8s} micro-batches {run['micro_batches']!s:8s} "
+                          f"{run['tokens_per_s']:8.1f} tok/s ({run['speedup_over_none']:.2f}x none), "
+                          f"{run['nodes_per_request_step']:.1f} nodes/request-step, {run['split_steps']}/"
+                          f"{run['steps']} split, step err {run['step_model_median_abs_err'] or 0:.1%}", flush=True)
+                if on_cap is not None:
+                    on_cap(result)
     return result
 
 
@@ -206,16 +217,19 @@ def write_markdown(path: Path, result: dict) -> None:
               for r in x["runs"]]
     s = result.get("speed")
     if s is not None:  # absent while the speed part runs (`main` saves after each part)
+        passes = any("pass" in r for r in s["rows"])
         lines += ["", f"## The budget on {s['model_shape']} step times", "",
                   f"{s['max_tokens']} tokens per request, EOS ignored. Drafter: prompt and self-output indexes"
                   + (f", and a datastore of {s['datastore']}" if s.get("datastore") else "")
                   + (f"; torch CPU threads {s['torch_threads']}" if s.get("torch_threads") else "")
                   + f". Step-time model: {s['hardware']} roofline, fitted at start-up (median error on the sweep "
                   f"{s['fit_error']:.1%}), refit online.", "",
-                  "| cap | policy | micro-batches | tok/s | x none | tokens / request-step | nodes / request-step "
-                  "| steps split | drafting hidden s | drafting waited s | verify s | step model err | same as none |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['cap']} | {r['policy']} | {r['micro_batches']} | {r['tokens_per_s']:.1f} | "
+                  "| cap | " + ("pass | " if passes else "") + "policy | micro-batches | tok/s | x none | tokens / "
+                  "request-step | nodes / request-step | steps split | drafting hidden s | drafting waited s | "
+                  "verify s | step model err | same as none |",
+                  "|---|" + ("---|" if passes else "") + "---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['cap']} | " + (f"{r['pass']} | " if passes else "")
+                  + f"{r['policy']} | {r['micro_batches']} | {r['tokens_per_s']:.1f} | "
                   f"{r['speedup_over_none']:.2f} | {r['tokens_per_request_step']:.2f} | "
                   f"{r['nodes_per_request_step']:.1f} | "
                   f"{r['split_steps']}/{r['steps']} | {r['drafting_hidden_s']:.2f} | {r['drafting_waited_s']:.2f} | "
@@ -228,6 +242,13 @@ def write_markdown(path: Path, result: dict) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+def _run_label(row: dict) -> str:
+    """`goodput`, `goodput` (micro-batches per step), `goodput` (2 micro-batches)."""
+    mb = row["micro_batches"]
+    return f"`{row['policy']}`" + ("" if mb == 1 else " (micro-batches per step)" if mb == "per step"
+                                   else f" ({mb} micro-batches)")
+
+
 def speed_readings(rows: list[dict]) -> list[str]:
     """What the speed table does and does not show, read from its own rows."""
     out = []
@@ -236,15 +257,23 @@ def speed_readings(rows: list[dict]) -> list[str]:
         out += ["Reading: `goodput` sent no tree nodes in any row (the drafter found no continuation in this model's "
                 "outputs), so every row of a cap did the same work, and `x none` is the spread between runs of the "
                 "same work on this machine, not a speedup from speculation.", ""]
-    for cap in sorted({r["cap"] for r in rows}):
-        decided = [r for r in rows if r["cap"] == cap and r["micro_batches"] == "per step"]
-        forced = [r for r in rows if r["cap"] == cap and r["policy"] == "goodput" and r["micro_batches"] == 2
-                  and r["split_steps"]]
+    for cap, pass_number in sorted({(r["cap"], r.get("pass", 0)) for r in rows}):
+        group = [r for r in rows if r["cap"] == cap and r.get("pass", 0) == pass_number]
+        where = f"Cap {cap}" + (f", pass {pass_number}" if pass_number else "")
+        decided = [r for r in group if r["micro_batches"] == "per step"]
+        forced = [r for r in group if r["policy"] == "goodput" and r["micro_batches"] == 2 and r["split_steps"]]
         if decided and forced:
             d, f = decided[0], forced[0]
-            out += [f"Cap {cap}: deciding per step, the orchestrator split {d['split_steps']} of {d['steps']} steps "
+            out += [f"{where}: deciding per step, the orchestrator split {d['split_steps']} of {d['steps']} steps "
                     f"into micro-batches; with two forced it split {f['split_steps']} of {f['steps']} and ran at "
                     f"{f['tokens_per_s'] / d['tokens_per_s']:.2f}x the tokens/s of deciding per step.", ""]
+        first = {(r["policy"], r["micro_batches"]): r for r in rows if r["cap"] == cap and r.get("pass") == 1}
+        if pass_number > 1 and first:
+            pairs = [(r, first[(r["policy"], r["micro_batches"])]) for r in group
+                     if (r["policy"], r["micro_batches"]) in first]
+            out += [f"{where}, every shape met in pass 1 already: tokens/s "
+                    + ", ".join(f"{_run_label(r)} {r['tokens_per_s'] / r1['tokens_per_s']:.2f}x" for r, r1 in pairs)
+                    + " pass 1's.", ""]
     return out
 
 
@@ -257,9 +286,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="few, short requests; the default model's shape (dry runs)")
     parser.add_argument("--caps", type=int, nargs="+", default=None,
                         help="concurrency caps of the speed part (default 1 16; --quick: 1 4)")
+    parser.add_argument("--passes", type=int, default=1,
+                        help="serve each cap's runs this many times over the same prompts (module docstring)")
     parser.add_argument("--out-dir", default=str(RESULTS))
     parser.add_argument("--note", action="append", default=[], help="a paragraph for the results' Notes section")
     args = parser.parse_args(argv)
+    caps = tuple(args.caps or ((1, 4) if args.quick else (1, 16)))
+    if any(c not in (1, 4, 16) for c in caps):
+        parser.error(f"--caps: each cap must be 1, 4 or 16 (the request counts are set for those); got {caps}")
+    if args.passes < 1:
+        parser.error(f"--passes must be >= 1; got {args.passes}")
     import torch
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -268,16 +304,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     device = torch.device(args.device)
     model_name = "smollm2-135m" if args.quick else args.model
-    caps = tuple(args.caps or ((1, 4) if args.quick else (1, 16)))
-    if any(c not in (1, 4, 16) for c in caps):
-        parser.error(f"--caps: each cap must be 1, 4 or 16 (the request counts are set for those); got {caps}")
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__,
               "command": " ".join(["python -m benchmarks.gpu_orchestrator"]
                                   + ([f"--device {args.device}"] if args.device != "cuda" else [])
                                   + ([f"--model {args.model}"] if args.model != "llama-3.1-8b" else [])
                                   + (["--quick"] if args.quick else [])
-                                  + (["--caps", *map(str, caps)] if args.caps else []))}
+                                  + (["--caps", *map(str, caps)] if args.caps else [])
+                                  + ([f"--passes {args.passes}"] if args.passes != 1 else []))}
     if args.note:
         result["notes"] = args.note
     out = Path(args.out_dir)
@@ -292,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     result["lossless"] = lossless(device, requests=6 if args.quick else 16, max_tokens=16 if args.quick else 64)
     save()
     speed(device, model_name, caps=caps, requests_per_cap={1: 2 if args.quick else 4, 4: 4, 16: 32},
-          max_tokens=16 if args.quick else 128, on_cap=save)
+          max_tokens=16 if args.quick else 128, passes=args.passes, on_cap=save)
     print((out / "gpu_orchestrator.md").read_text())
     return 0
 

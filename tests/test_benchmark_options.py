@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import cpu_attention, linear_rows, serving, throughput
+from benchmarks import cpu_attention, gpu_orchestrator, linear_rows, serving, throughput
 
 
 def refused_before_running(monkeypatch, owner, measuring: str, main, argv: list[str]) -> str:
@@ -51,3 +51,12 @@ def test_serving_refuses_bad_options_before_starting_the_server(monkeypatch, cap
 def test_rounds_benchmarks_refuse_a_round_count_below_one_before_measuring(monkeypatch, capsys, benchmark):
     refused_before_running(monkeypatch, benchmark, "measure", benchmark.main, ["--rounds", "0"])
     assert "--rounds must be >= 1; got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--passes", "0"], "--passes must be >= 1; got 0"),
+    (["--caps", "1", "8"], "--caps: each cap must be 1, 4 or 16 (the request counts are set for those); got (1, 8)"),
+])
+def test_gpu_orchestrator_refuses_bad_options_before_looking_for_a_gpu(monkeypatch, capsys, argv, message):
+    refused_before_running(monkeypatch, gpu_orchestrator, "lossless", gpu_orchestrator.main, argv)
+    assert message in capsys.readouterr().err

@@ -103,3 +103,18 @@ def test_gpu_lossless_check_runs_on_cpu_too():
     assert result["max_abs_logit_diff_vs_transformers"] < 1e-4
     assert result["accepted_draft_tokens"] > 0  # the trees did carry the true continuation
     assert result["free_blocks_after"] == result["total_blocks"]
+
+
+def test_gpu_orchestrator_reads_each_later_pass_against_the_first():
+    def row(passed, policy, micro_batches, tokens_per_s):
+        return {"cap": 16, "pass": passed, "policy": policy, "micro_batches": micro_batches,
+                "tokens_per_s": tokens_per_s, "nodes_per_request_step": 0.1, "split_steps": 0, "steps": 100}
+
+    rows = [row(1, "none", 1, 340.0), row(1, "fixed:4", 1, 200.0), row(1, "goodput", "per step", 280.0),
+            row(2, "none", 1, 350.0), row(2, "fixed:4", 1, 360.0), row(2, "goodput", "per step", 336.0)]
+    readings = " ".join(gpu_orchestrator.speed_readings(rows))
+    assert ("Cap 16, pass 2, every shape met in pass 1 already: tokens/s `none` 1.03x, `fixed:4` 1.80x, "
+            "`goodput` (micro-batches per step) 1.20x pass 1's.") in readings
+    assert "pass 1, every shape" not in readings  # the first pass has nothing to be read against
+    single = [{k: v for k, v in r.items() if k != "pass"} for r in rows[:3]]
+    assert "every shape met" not in " ".join(gpu_orchestrator.speed_readings(single))
