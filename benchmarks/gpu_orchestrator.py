@@ -80,6 +80,24 @@ def build(model_name: str, dtype, device, *, num_blocks: int, max_context: int):
     return engine, step_model, fit_error
 
 
+def answers_datastore(engine, prompt_groups: list[list[list[int]]], *, max_tokens: int, folder: Path):
+    """A datastore (built in `folder`) of the model's own greedy continuations, `max_tokens` long, of every other
+    prompt of each group (plain decoding, here). A random model hardly repeats itself, so the drafter gets this too:
+    half the requests then find their answer retrieved (the best case of retrieval), the other half only what their
+    prompt and output repeat."""
+    from datastore import Datastore, build_from_token_docs
+    from orchestrator.spec_loop import generate
+
+    docs = []
+    for group, prompts in enumerate(prompt_groups):
+        answered = prompts[::2]
+        reference, _ = generate(engine, answered, max_new_tokens=max_tokens, stop_at_eos=False,
+                                id_prefix=f"ref{group}")
+        docs += [np.asarray(p + r, np.int64) for p, r in zip(answered, reference)]
+    return Datastore.open(build_from_token_docs(docs, folder / "answers", vocab_size=engine.vocab_size,
+                                                tokenizer_id="random-weights"))
+
+
 def serve_together(engine, step_model, runs: tuple, prompts: list[list[int]], *, cap: int, max_tokens: int,
                    datastores: tuple = ()) -> list[dict]:
     """Every (policy, micro-batches) run over the same prompts (all submitted at once, at most `cap` running, each
@@ -153,28 +171,17 @@ def speed(device, model_name: str, *, caps: tuple[int, ...], requests_per_cap: d
 
     import torch
 
-    from datastore import Datastore, build_from_token_docs
-    from orchestrator.spec_loop import generate
-
     engine, step_model, fit_error = build(model_name, torch.bfloat16, device, num_blocks=4096, max_context=1024)
     rng = np.random.default_rng(1)
     prompts_by_cap = {cap: repeating_prompts(requests_per_cap[cap], engine.vocab_size, rng) for cap in caps}
-    # A random model hardly repeats itself, so the drafter also gets a datastore: the model's own greedy
-    # continuations of every other prompt (computed here, plain decoding). Half the requests then find their
-    # answer retrieved (the best case of retrieval), the other half only what their prompt and output repeat.
-    docs = []
-    for cap, prompts in prompts_by_cap.items():
-        answered = prompts[::2]
-        reference, _ = generate(engine, answered, max_new_tokens=max_tokens, stop_at_eos=False, id_prefix=f"ref{cap}")
-        docs += [np.asarray(p + r, np.int64) for p, r in zip(answered, reference)]
     rows = []
     result = {"model_shape": f"{model_name} (random weights, bf16)",
               "max_tokens": max_tokens, "fit_error": fit_error, "hardware": step_model.hardware.name,
               "torch_threads": torch.get_num_threads(),
               "datastore": "the model's greedy outputs for every other prompt", "rows": rows}
     with tempfile.TemporaryDirectory(prefix="gpu-orchestrator-") as folder:
-        datastores = (Datastore.open(build_from_token_docs(docs, Path(folder) / "answers", vocab_size=engine.vocab_size,
-                                                           tokenizer_id="random-weights")),)
+        datastores = (answers_datastore(engine, list(prompts_by_cap.values()), max_tokens=max_tokens,
+                                        folder=Path(folder)),)
         # untimed: whatever compiles or allocates on first use (prefill shapes, the micro-batch worker) does so here
         serve_together(engine, step_model, (("none", 1), ("goodput", 2)), prompts_by_cap[caps[0]][:2], cap=2,
                        max_tokens=8, datastores=datastores)

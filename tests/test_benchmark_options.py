@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import cpu_attention, gpu_orchestrator, linear_rows, serving, throughput
+from benchmarks import cpu_attention, gpu_orchestrator, gpu_sdpa_backends, linear_rows, serving, throughput
 
 
 def refused_before_running(monkeypatch, owner, measuring: str, main, argv: list[str]) -> str:
@@ -59,4 +59,13 @@ def test_rounds_benchmarks_refuse_a_round_count_below_one_before_measuring(monke
 ])
 def test_gpu_orchestrator_refuses_bad_options_before_looking_for_a_gpu(monkeypatch, capsys, argv, message):
     refused_before_running(monkeypatch, gpu_orchestrator, "lossless", gpu_orchestrator.main, argv)
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--caps", "1", "0"], "--caps and --max-tokens must be >= 1; got [1, 0] and 48"),
+    (["--max-tokens", "0"], "--caps and --max-tokens must be >= 1; got [1, 16] and 0"),
+])
+def test_gpu_sdpa_backends_refuses_bad_options_before_starting_a_process(monkeypatch, capsys, argv, message):
+    refused_before_running(monkeypatch, gpu_sdpa_backends, "measure", gpu_sdpa_backends.main, argv)
     assert message in capsys.readouterr().err

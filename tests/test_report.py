@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks import attention_calls, gpu_orchestrator, gpu_verify_cost, report
+from benchmarks import attention_calls, gpu_orchestrator, gpu_sdpa_backends, gpu_verify_cost, report
 from drafter.tree import DraftTree
 from trt_engines.base import SamplingParams, VerifyItem
 from trt_engines.llama import Transformer
@@ -60,7 +60,7 @@ def test_plots_come_from_the_committed_results(tmp_path):
     assert made and all((tmp_path / name).stat().st_size > 1000 for name in made)
 
 
-@pytest.mark.parametrize("benchmark, flags", [(gpu_verify_cost, []), (gpu_orchestrator, []),
+@pytest.mark.parametrize("benchmark, flags", [(gpu_verify_cost, []), (gpu_orchestrator, []), (gpu_sdpa_backends, []),
                                               (attention_calls, ["--device", "cuda"])],
                          ids=lambda m: m.__name__.split(".")[-1] if hasattr(m, "__name__") else "")
 def test_a_gpu_benchmark_without_cuda_says_so_and_writes_nothing(benchmark, flags, tmp_path, capsys):
