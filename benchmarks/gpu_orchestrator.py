@@ -126,6 +126,8 @@ def _summary(run, policy: str, micro_batches: int | None, cap: int) -> dict:
     errors = [abs(r.predicted_s / r.measured_s - 1) for r in records if r.measured_s > 0]
     outputs = [run.outputs[i] for i in run.ids]
     tokens = sum(map(len, outputs))
+    tree = np.array([sum(r.nodes) > 0 for r in records], bool)  # steps where some request sent a tree
+    step_ms = np.array([r.measured_s * 1e3 for r in records])
     return {
         "policy": policy, "micro_batches": "per step" if micro_batches is None else micro_batches, "cap": cap,
         "requests": len(run.ids), "outputs": outputs, "tokens": tokens, "seconds": run.elapsed,
@@ -137,6 +139,9 @@ def _summary(run, policy: str, micro_batches: int | None, cap: int) -> dict:
         "drafting_hidden_s": sum(r.overlapped_draft_s for r in records),
         "drafting_waited_s": sum(r.draft_s for r in records),
         "verify_s": sum(r.measured_s for r in records),
+        "tree_steps": int(tree.sum()),
+        "plain_step_ms": float(np.median(step_ms[~tree])) if (~tree).any() else None,
+        "tree_step_ms": float(np.median(step_ms[tree])) if tree.any() else None,
         "prefill_s": sum(sum(r.prefill_s) for r in records),
         "step_model_median_abs_err": float(np.median(errors)) if errors else None,
         "drafter_fallbacks": run.orchestrator.drafter_fallbacks,

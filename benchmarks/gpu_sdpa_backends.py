@@ -28,38 +28,28 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.gpu_orchestrator import RESULTS, answers_datastore, build, repeating_prompts
+from benchmarks.gpu_orchestrator import RESULTS, answers_datastore, build, repeating_prompts, serve_together
 
 CHOICES = ("engine", "pytorch")  # SHAPE_STABLE_SDPA_BACKENDS / PyTorch's own priority order
 POLICIES = ("none", "fixed:4")
 ROW_PREFIX = "ROW "
 
 
-def serve_alone(engine, drafter, step_model, policy: str, prompts, *, cap: int, max_tokens: int) -> dict:
-    """One policy over `prompts` (at most `cap` running, each request exactly `max_tokens` long) with nothing
-    beside it; its tokens/s and its verify steps split by whether any request sent a tree."""
-    from benchmarks.throughput import PolicyRun, interleave
-
-    engine.reset_prefix_cache()  # where the engine caches prefixes (CPU dry runs), no pass reads another's
-    run = PolicyRun(engine, drafter.fresh(), step_model, policy, prompts, cap=cap, max_tokens=max_tokens,
-                    lengths=[max_tokens] * len(prompts))
-    interleave([run])
-    records = list(run.orchestrator.records)
-    tree = np.array([sum(r.nodes) > 0 for r in records])
-    step_ms = np.array([r.measured_s * 1e3 for r in records])
-    tokens = sum(len(run.outputs[i]) for i in run.ids)
-    return {"policy": policy, "tokens_per_s": tokens / run.elapsed, "steps": len(records),
-            "tree_steps": int(tree.sum()),
-            "plain_step_ms": float(np.median(step_ms[~tree])) if (~tree).any() else None,
-            "tree_step_ms": float(np.median(step_ms[tree])) if tree.any() else None}
+def serve_alone(engine, step_model, policy: str, prompts, *, cap: int, max_tokens: int, datastores) -> dict:
+    """`policy` over `prompts` with nothing beside it (`gpu_orchestrator.serve_together`), without its outputs."""
+    run, = serve_together(engine, step_model, ((policy, 1),), prompts, cap=cap, max_tokens=max_tokens,
+                          datastores=datastores)
+    del run["outputs"]
+    return run
 
 
-def sdpa_ops(engine, drafter, step_model, prompts, *, max_tokens: int) -> list[str]:
+def sdpa_ops(engine, step_model, prompts, *, max_tokens: int, datastores) -> list[str]:
     """The SDPA ops that a few `fixed:4` steps over `prompts` ran (from the profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        serve_alone(engine, drafter, step_model, "fixed:4", prompts, cap=len(prompts), max_tokens=max_tokens)
+        serve_alone(engine, step_model, "fixed:4", prompts, cap=len(prompts), max_tokens=max_tokens,
+                    datastores=datastores)
     return sorted({e.key for e in prof.key_averages()
                    if e.key.startswith("aten::_scaled_dot_product") or "cudnn_attention" in e.key})
 
@@ -68,7 +58,6 @@ def child(choice: str, device_name: str, model_name: str, caps: tuple[int, ...],
     """Measure one choice in this process; prints a `ROW_PREFIX` JSON line per run and one with the ops."""
     import torch
 
-    from drafter.drafter import Drafter, DrafterConfig
     from trt_engines import torch_engine
 
     if choice == "pytorch":  # measurement only: the forwards run in PyTorch's own SDPA priority order
@@ -78,17 +67,16 @@ def child(choice: str, device_name: str, model_name: str, caps: tuple[int, ...],
     rng = np.random.default_rng(1)
     prompts_by_cap = {cap: repeating_prompts(2 * cap, engine.vocab_size, rng) for cap in caps}
     with tempfile.TemporaryDirectory(prefix="gpu-sdpa-") as folder:
-        datastore = answers_datastore(engine, list(prompts_by_cap.values()), max_tokens=max_tokens,
-                                      folder=Path(folder))
-        drafter = Drafter(DrafterConfig(sources="fused", max_budget=64), datastores=(datastore,),
-                          vocab_size=engine.vocab_size)
+        datastores = (answers_datastore(engine, list(prompts_by_cap.values()), max_tokens=max_tokens,
+                                        folder=Path(folder)),)
         for cap, prompts in prompts_by_cap.items():
             for pass_number in (1, 2):
                 for policy in POLICIES:
-                    row = serve_alone(engine, drafter, step_model, policy, prompts, cap=cap, max_tokens=max_tokens)
-                    row.update(choice=choice, cap=cap, **{"pass": pass_number})
+                    row = serve_alone(engine, step_model, policy, prompts, cap=cap, max_tokens=max_tokens,
+                                      datastores=datastores)
+                    row.update(choice=choice, **{"pass": pass_number})
                     print(ROW_PREFIX + json.dumps(row), flush=True)
-        ops = sdpa_ops(engine, drafter, step_model, prompts_by_cap[caps[-1]][:4], max_tokens=4)
+        ops = sdpa_ops(engine, step_model, prompts_by_cap[caps[-1]][:4], max_tokens=4, datastores=datastores)
     print(ROW_PREFIX + json.dumps({"choice": choice, "sdpa_ops": ops}), flush=True)
 
 

@@ -175,8 +175,8 @@ class _AttentionCall:
 # On an H200 with Llama-3.1-8B's shape, 32 requests at cap 16, the first `fixed:4` run in a process took 74-80 ms a
 # verify step (its plain steps too) against plain decoding's 26-28, and the same run repeated in the same process
 # 25-27 ms (27-32 with a tree in the batch); with cuDNN left out the first run took 39.6 ms against plain decoding's
-# 34.7 (one-off runs, `gpu_orchestrator_cap16_aa282b4.md`'s notes); what is left of that excess is not explained. The
-# memory-efficient kernel takes the same masks with no per-shape setup.
+# 34.7 (one-off runs, their output in `benchmarks/results/gpu_first_runs_h200_oneoff.txt`); what is left of that excess
+# is not explained. The memory-efficient kernel takes the same masks with no per-shape setup.
 SHAPE_STABLE_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
 
