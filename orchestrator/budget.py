@@ -32,9 +32,15 @@ Closed loop (`observe`, called by the orchestrator after every step):
   plain decoding by `min_gain` (2%: the corrections below take out the step-time model's bias, not its noise; at
   5%, MT-Bench at cap 4 decoded plainly on 45% of its steps while `fixed:4`, always speculating, was faster). Each
   drafted step's predicted gain over plain decoding without drafting (negative when nothing is sent: the drafting
-  was wasted) enters a moving average; while it is negative, `draft_cap` returns 0 for a growing
-  number of steps (2, 4, ... 32) and then probes again, so a saturated batch stops paying for drafts it will not
-  send, while a lone request whose drafts pay on average keeps drafting through its unlucky steps;
+  was wasted) enters a moving average over about `gain_window` (32) drafted steps; while it is negative,
+  `draft_cap` returns 0 for a growing number of steps (2, 4, ... 32) and then probes again, so a saturated batch
+  stops paying for drafts it will not send, while a lone request whose drafts pay on average keeps drafting through
+  its unlucky steps. The window must span the gaps between such drafts: skipping saves at most the drafting (0.4%
+  of a step for an 8B model on an H100), while a skipped hit loses its accepted tokens, and a probe is one step, so
+  once backed off, rare drafts are rarely met again. Averaged over 5 drafted steps (before 2026-11-27), a lone
+  request on an H100 whose drafter found a chain one step in 16 drafted on fewer steps than `fixed:16` and ran at
+  0.95x its tokens/s (`gpu_orchestrator_cap1_4a6d7bb.md`); replaying the AVX2 CPU run's groups through the
+  simulator, 32 steps and 5 came within 0.994-1.007x of each other;
 - drafting cap: the next step drafts at most twice the largest tree the controller just chose (at least 8), so large
   batches do not draft 64 nodes per request to send two;
 - marginal cost: goodput hinges on what the speculated tokens add to a plain step, which a global least-squares fit
@@ -170,7 +176,7 @@ def _keep_nodes(tree: DraftTree, keep: np.ndarray) -> DraftTree:
 class BudgetController:
     def __init__(self, policy: BudgetPolicy, step_model: StepTimeModel, *, min_gain: float = 0.02,
                  ema: float = 0.1, per_request_acceptance: bool = False, prior_tokens: float = 4.0,
-                 batch_node_ceiling: int = 64) -> None:
+                 batch_node_ceiling: int = 64, gain_window: int = 32) -> None:
         self.policy = policy
         self.step_model = step_model
         self.min_gain = min_gain
@@ -178,6 +184,9 @@ class BudgetController:
             raise ValueError(f"batch_node_ceiling must be >= 1; got {batch_node_ceiling}")
         self.batch_node_ceiling = batch_node_ceiling
         self.ema = ema
+        if gain_window < 1:
+            raise ValueError(f"gain_window must be >= 1 drafted steps; got {gain_window}")
+        self.gain_window = gain_window
         # Per-request acceptance (SpecServe §4), opt-in: a request whose drafts keep beating (or missing) their
         # calibrated probabilities gets its own factor, shrunk toward the batch-wide scale by `prior_tokens` predicted
         # tokens. Off by default: side by side on the CPU benchmark it was no better than the batch-wide scale
@@ -280,7 +289,8 @@ class BudgetController:
             self.speculation_overhead, self.marginal_scale = _speculation_cost_line(self._cost_sums)
         if cap > 0:
             self._draft_s_per_request.append(draft_s / b)
-            self._gain = (1 - 2 * a) * self._gain + 2 * a * decision.gain
+            w = 1.0 / self.gain_window
+            self._gain = (1 - w) * self._gain + w * decision.gain
             self._drafted_steps += 1
             if self._gain >= 0 or self._drafted_steps < 8:
                 self._backoff = 0

@@ -395,6 +395,36 @@ def test_drafting_that_costs_more_than_it_returns_backs_off_and_probes_again():
         cheap.observe(decision, accepted=decision.node_probs, draft_s=1e-6, cap=cap)
 
 
+def test_rare_drafts_that_pay_keep_drafting_on_when_drafting_is_cheap():
+    # A lone request on a GPU whose drafter finds something only now and then (10, then 40 steps apart), but then a
+    # strong chain, while drafting costs 0.4% of a step: drafting pays on average, so the back-off must not starve
+    # the request of those chains. (Averaged over 5 drafted steps, the gain turned negative within a long gap and
+    # the back-off's probes, one step each, kept missing: random gaps of mean 16 lost 92% of the chains.)
+    hit_steps = set(np.cumsum(np.tile([10, 40], 12)).tolist())
+
+    def hits_drafted(window: int) -> tuple[int, int]:
+        model = h100_model()
+        controller = BudgetController(BudgetPolicy.parse("goodput"), model, gain_window=window)
+        context = np.full(1, 300)
+        step_s = model.predict(np.ones(1), context)
+        hits = drafted = 0
+        for step in range(max(hit_steps) + 1):
+            cap = controller.draft_cap(1)
+            hit = step in hit_steps
+            hits += hit
+            drafted += hit and cap > 0
+            trees = chain_trees(1, 0.9, depth=8) if hit and cap else [DraftTree.empty()]
+            _, decision = controller.allocate(trees, context)
+            controller.observe(decision, accepted=decision.node_probs, draft_s=0.004 * step_s, cap=cap)
+        return hits, drafted
+
+    hits, drafted = hits_drafted(32)
+    assert drafted == hits
+    assert hits_drafted(5)[1] < hits // 2  # the window decides it: a short one forgets the last chain too soon
+    with pytest.raises(ValueError, match="gain_window"):
+        BudgetController(BudgetPolicy.parse("goodput"), h100_model(), gain_window=0)
+
+
 @pytest.mark.parametrize("layout", ["packed", "grouped", "padded"])
 def test_a_batch_with_nothing_drafted_gets_the_full_allocation_s_answer(layout):
     # Empty trees skip the allocation's machinery; the answer must be the one it gives when no candidate is worth
