@@ -175,8 +175,11 @@ class _AttentionCall:
 # On an H200 with Llama-3.1-8B's shape, 32 requests at cap 16, the first `fixed:4` run in a process took 74-80 ms a
 # verify step (its plain steps too) against plain decoding's 26-28, and the same run repeated in the same process
 # 25-27 ms (27-32 with a tree in the batch); with cuDNN left out the first run took 39.6 ms against plain decoding's
-# 34.7 (one-off runs, their output in `benchmarks/results/gpu_first_runs_h200_oneoff.txt`); what is left of that excess
-# is not explained. The memory-efficient kernel takes the same masks with no per-shape setup.
+# 34.7 (one-off runs, their output in `benchmarks/results/gpu_first_runs_h200_oneoff.txt`). The memory-efficient kernel
+# takes the same masks with no per-shape setup: on an H100 (`gpu_sdpa_backends.md`, each choice in its own process, two
+# passes over the same prompts) PyTorch's order took 114 ms (cap 1) and 66 ms (cap 16) a tree step in its first pass
+# and 22 and 29 in its second, while this choice's first pass was no slower than its second, and cuDNN with its shapes
+# built was not faster on plain steps beyond the host's noise.
 SHAPE_STABLE_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
 
@@ -301,7 +304,7 @@ def host_torch_threads(device: torch.device, requested: int | None, environ=os.e
     per core by default) made each of the forward's few small CPU ops wake every core, beside the drafter's numba
     threads. On an H100 host with 16 cores, four orchestrators taking turns (one request each, Llama-3.1-8B's
     shape): with 16 threads their verify steps took 36-38 ms (median), and `none`'s 101 ms; with one thread all four
-    took 25.4-25.7 ms (`benchmarks/results/gpu_orchestrator.md`, Notes). On the CPU the forward itself runs on
+    took 25.4-25.7 ms (a one-off diagnostic: b233603's commit message). On the CPU the forward itself runs on
     those threads, and they are left as the process has them."""
     if requested is not None:
         if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
