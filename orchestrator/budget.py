@@ -37,10 +37,10 @@ Closed loop (`observe`, called by the orchestrator after every step):
   stops paying for drafts it will not send, while a lone request whose drafts pay on average keeps drafting through
   its unlucky steps. The window must span the gaps between such drafts: skipping saves at most the drafting (0.4%
   of a step for an 8B model on an H100), while a skipped hit loses its accepted tokens, and a probe is one step, so
-  once backed off, rare drafts are rarely met again. Averaged over 5 drafted steps (before 2026-11-27), a lone
-  request on an H100 whose drafter found a chain one step in 16 drafted on fewer steps than `fixed:16` and ran at
-  0.95x its tokens/s (`gpu_orchestrator_cap1_4a6d7bb.md`); replaying the AVX2 CPU run's groups through the
-  simulator, 32 steps and 5 came within 0.994-1.007x of each other;
+  once backed off, rare drafts are rarely met again. Averaged over 5 drafted steps (the first rule), a lone
+  request on an H100 whose drafter found a chain one step in 16 drafted on about half its steps and ran at 0.95x
+  `fixed:16`'s tokens/s (`gpu_orchestrator_cap1_4a6d7bb.md`); averaged over 32, 1.00x (`gpu_orchestrator.md`).
+  Replaying the AVX2 CPU run's groups through the simulator, 32 steps and 5 came within 0.994-1.007x of each other;
 - drafting cap: the next step drafts at most twice the largest tree the controller just chose (at least 8), so large
   batches do not draft 64 nodes per request to send two;
 - marginal cost: goodput hinges on what the speculated tokens add to a plain step, which a global least-squares fit
