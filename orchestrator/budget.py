@@ -40,7 +40,8 @@ Closed loop (`observe`, called by the orchestrator after every step):
   once backed off, rare drafts are rarely met again. Averaged over 5 drafted steps (the first rule), a lone
   request on an H100 whose drafter found a chain one step in 16 drafted on about half its steps and ran at 0.95x
   `fixed:16`'s tokens/s (`gpu_orchestrator_cap1_4a6d7bb.md`); averaged over 32, 1.00x (`gpu_orchestrator.md`).
-  Replaying the AVX2 CPU run's groups through the simulator, 32 steps and 5 came within 0.994-1.007x of each other;
+  On the AVX2 CPU, side by side in the throughput benchmark (caps 1, 4 and 16 of every set; a one-off,
+  `gain_window_ab_*.md`), 32 ran at 0.990-1.067x the tokens/s of 5, median 1.006;
 - drafting cap: the next step drafts at most twice the largest tree the controller just chose (at least 8), so large
   batches do not draft 64 nodes per request to send two;
 - marginal cost: goodput hinges on what the speculated tokens add to a plain step, which a global least-squares fit
@@ -184,8 +185,8 @@ class BudgetController:
             raise ValueError(f"batch_node_ceiling must be >= 1; got {batch_node_ceiling}")
         self.batch_node_ceiling = batch_node_ceiling
         self.ema = ema
-        if gain_window < 1:
-            raise ValueError(f"gain_window must be >= 1 drafted steps; got {gain_window}")
+        if isinstance(gain_window, bool) or not isinstance(gain_window, int) or gain_window < 1:
+            raise ValueError(f"gain_window must be an int >= 1 (drafted steps); got {gain_window!r}")
         self.gain_window = gain_window
         # Per-request acceptance (SpecServe §4), opt-in: a request whose drafts keep beating (or missing) their
         # calibrated probabilities gets its own factor, shrunk toward the batch-wide scale by `prior_tokens` predicted

@@ -421,8 +421,9 @@ def test_rare_drafts_that_pay_keep_drafting_on_when_drafting_is_cheap():
     hits, drafted = hits_drafted(32)
     assert drafted == hits
     assert hits_drafted(5)[1] < hits // 2  # the window decides it: a short one forgets the last chain too soon
-    with pytest.raises(ValueError, match="gain_window"):
-        BudgetController(BudgetPolicy.parse("goodput"), h100_model(), gain_window=0)
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="gain_window"):
+            BudgetController(BudgetPolicy.parse("goodput"), h100_model(), gain_window=bad)
 
 
 @pytest.mark.parametrize("layout", ["packed", "grouped", "padded"])
