@@ -35,8 +35,9 @@ Closed loop (`observe`, called by the orchestrator after every step):
   was wasted) enters a moving average over about `gain_window` (32) drafted steps; while it is negative,
   `draft_cap` returns 0 for a growing number of steps (2, 4, ... 32) and then probes again, so a saturated batch
   stops paying for drafts it will not send, while a lone request whose drafts pay on average keeps drafting through
-  its unlucky steps. The window must span the gaps between such drafts: skipping saves at most the drafting (0.4%
-  of a step for an 8B model on an H100), while a skipped hit loses its accepted tokens, and a probe is one step, so
+  its unlucky steps. The window must span the gaps between such drafts: skipping saves at most the drafting (under
+  1% of an 8B step on an H100, 0.24-0.29 ms against 26-39 ms in `gpu_orchestrator*.md`; about 2% of a cap-1 step on
+  the AVX2 CPU), while a skipped hit loses its accepted tokens, and a probe is one step, so
   once backed off, rare drafts are rarely met again. Averaged over 5 drafted steps (the first rule), a lone
   request on an H100 whose drafter found a chain one step in 16 drafted on about half its steps and ran at 0.95x
   `fixed:16`'s tokens/s (`gpu_orchestrator_cap1_4a6d7bb.md`); averaged over 32, 1.00x (`gpu_orchestrator.md`).

@@ -399,7 +399,7 @@ def test_rare_drafts_that_pay_keep_drafting_on_when_drafting_is_cheap():
     # A lone request on a GPU whose drafter finds something only now and then (10, then 40 steps apart), but then a
     # strong chain, while drafting costs 0.4% of a step: drafting pays on average, so the back-off must not starve
     # the request of those chains. (Averaged over 5 drafted steps, the gain turned negative within a long gap and
-    # the back-off's probes, one step each, kept missing: random gaps of mean 16 lost 92% of the chains.)
+    # the back-off's probes, one step each, kept missing the next chain.)
     hit_steps = set(np.cumsum(np.tile([10, 40], 12)).tolist())
 
     def hits_drafted(window: int) -> tuple[int, int]:
