@@ -101,7 +101,7 @@ def measure_hardware(device: str = "cpu", *, size: int | None = None, stream_mb:
     slow path there (`trt_engines.cpu_kernels`), and timing it, for a dtype the engine never runs, took minutes."""
     import torch
 
-    from trt_engines.cpu_kernels import Bf16Linear, cpu_has_native_bf16
+    from trt_engines.cpu_kernels import Bf16Linear, auto_cpu_kernels
 
     if not dtypes or set(dtypes) - set(MEASURABLE_DTYPES):
         raise ValueError(f"measure_hardware(dtypes=...) takes one or more of {list(MEASURABLE_DTYPES)}; "
@@ -110,7 +110,7 @@ def measure_hardware(device: str = "cpu", *, size: int | None = None, stream_mb:
     size = size or (8192 if dev.type == "cuda" else 2048)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     if cpu_kernels is None:
-        cpu_kernels = dev.type == "cpu" and not cpu_has_native_bf16()
+        cpu_kernels = dev.type == "cpu" and auto_cpu_kernels() == "numba"
     flops = {}
     for name in dict.fromkeys(dtypes):
         dtype = getattr(torch, name)

@@ -440,6 +440,31 @@ def test_pytorch_bf16_kernels_warn_where_they_are_not_batch_invariant():
         assert warned == (kernels != "numba" and not cpu_has_native_bf16()), kernels
 
 
+def test_auto_kernels_run_pytorchs_linear_layers_only_where_amx_backs_them():
+    # "auto" is one choice per CPU (the two kinds of linear layer round differently, so never per step): PyTorch's
+    # linear layers only with AMX-BF16, the numba kernels elsewhere, AVX512-BF16 without AMX included (there they
+    # decoded a batch-1 step in 7.8 ms against PyTorch's 29.8; `cpu_kernels.auto_cpu_kernels`). fp32 engines never
+    # take the bf16 kernels.
+    from trt_engines.cpu_kernels import auto_cpu_kernels, cpu_description
+    from trt_engines.llama import Transformer
+    from trt_engines.torch_engine import TorchEngine
+
+    with open("/proc/cpuinfo") as f:
+        flags = next(line.split(":", 1)[1].split() for line in f if line.startswith("flags"))
+    expected = "attention" if "amx_bf16" in flags else "numba"
+    assert auto_cpu_kernels() == expected
+    assert ("AMX" in cpu_description()) == ("avx512_bf16" in flags or "amx_bf16" in flags)
+
+    tiny = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 256}
+    bf16 = TorchEngine(Transformer.random(tiny, dtype=torch.bfloat16), dtype=torch.bfloat16, num_blocks=8)
+    assert bf16.cpu_kernels == expected
+    assert bool(bf16.kernel_linears) == (expected == "numba")
+    assert bf16.prefix_caching == (expected == "numba")  # exact reuse needs the kernels' prefill
+    fp32 = TorchEngine(Transformer.random(tiny, dtype=torch.float32), dtype=torch.float32, num_blocks=8)
+    assert fp32.cpu_kernels == "torch"
+
+
 def test_torch_threads_default_to_one_on_a_gpu_unless_the_environment_or_the_caller_says():
     from trt_engines.torch_engine import host_torch_threads
 

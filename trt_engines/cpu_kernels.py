@@ -121,21 +121,48 @@ def bf16_bits(t: Tensor) -> np.ndarray:
     return t.view(torch.int16).numpy().view(np.uint16)
 
 
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX-BF16), i.e. PyTorch's bf16 matmuls
-    run at full speed and the `torch` path is the fast one."""
+@functools.cache
+def _cpu_flags() -> frozenset[str] | None:
+    """This CPU's feature flags from /proc/cpuinfo (None where there is none: not Linux)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+            return frozenset(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
     except OSError:
-        return True  # not Linux: keep PyTorch's kernels
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+        return None
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX-BF16): PyTorch's bf16 matmuls run at
+    full speed and keep a row's bits whatever the batch (`llama.Linear.transposed`) only on such CPUs."""
+    flags = _cpu_flags()
+    return True if flags is None else "avx512_bf16" in flags or "amx_bf16" in flags  # not Linux: assume so
+
+
+def cpu_has_amx_bf16() -> bool:
+    """Whether this CPU has AMX tiles for bf16 (Intel Xeons since Sapphire Rapids)."""
+    flags = _cpu_flags()
+    return flags is not None and "amx_bf16" in flags
+
+
+def auto_cpu_kernels() -> str:
+    """What `TorchEngine(cpu_kernels="auto")` runs bf16 verify steps on here: "attention" (numba attention, PyTorch's
+    linear layers) where the CPU has AMX-BF16, else "numba" (numba kernels for the linear layers too).
+
+    PyTorch's linear layers win only with AMX behind them, and only from a few rows on: on a 2-core Xeon with
+    AMX-BF16 (`batch_invariance.md` at d63c9b7) a plain step took 22.1 ms with the numba kernels against 29.1 at
+    batch 1, but 89.6 against 60.9 at batch 32. On a 2-core EPYC with AVX512-BF16 and no AMX (lscpu family 26, at
+    b596c69) the numba kernels took 7.8 ms against 29.8 at batch 1 and 43.0 against 40.8 at batch 32, and 21.1
+    against 38.0 for one request with 16 draft nodes; without bf16 instructions at all (AVX2) PyTorch's bf16 matmuls
+    take a slow path and are not batch-invariant. One choice per engine, not per step: the two kernels round
+    differently, and a token's logits must not depend on the step it is verified in."""
+    return "attention" if cpu_has_amx_bf16() else "numba"
 
 
 def cpu_description() -> str:
-    """This CPU as CPU benchmarks quote it: architecture, cores, PyTorch's vector ISA, and whether it has bf16
-    dot-product instructions (which decides where "auto" runs these kernels)."""
-    bf16 = "bf16 dot products" if cpu_has_native_bf16() else "no bf16 dot-product instructions"
+    """This CPU as CPU benchmarks quote it: architecture, cores, PyTorch's vector ISA, and its bf16 instructions
+    (which decide where "auto" runs these kernels: `auto_cpu_kernels`)."""
+    bf16 = ("bf16 dot products and AMX" if cpu_has_amx_bf16() else "bf16 dot products, no AMX" if cpu_has_native_bf16()
+            else "no bf16 dot-product instructions")
     return f"{platform.machine()} {os.cpu_count()} cores ({torch.backends.cpu.get_cpu_capability()}, {bf16})"
 
 

@@ -24,11 +24,11 @@ emits exactly plain decoding's text, and every policy of a benchmark decodes the
 kernels' shape-dependent rounding flips near-tied logits and most long outputs drift from plain decoding's). Three
 implementations (`cpu_kernels`), measured side by side by `benchmarks/batch_invariance.py`:
 
-CPU kernels ("numba", `trt_engines.cpu_kernels`; "auto" picks them for bf16 on CPUs without bf16 dot-product
-instructions, where PyTorch's bf16 matmuls take a slow path): numba kernels for every linear layer and for verify
-attention, batch-invariant by construction. "attention" ("auto" on CPUs with those instructions, where PyTorch's
-linear layers are the fast ones) runs the numba attention with PyTorch's linear layers, computed in the form whose
-rows oneDNN keeps batch-invariant (`llama.Linear.transposed`). Attention reads each request's keys in place in the
+CPU kernels ("numba", `trt_engines.cpu_kernels`; what "auto" picks for bf16 on CPUs without AMX-BF16,
+`cpu_kernels.auto_cpu_kernels`): numba kernels for every linear layer and for verify attention, batch-invariant by
+construction. "attention" ("auto" on CPUs with AMX-BF16, where PyTorch's linear layers are the faster ones from a
+few rows on) runs the numba attention with PyTorch's linear layers, computed in the form whose rows oneDNN keeps
+batch-invariant (`llama.Linear.transposed`; only on CPUs with bf16 dot-product instructions). Attention reads each request's keys in place in the
 paged pool (no gather, no padding: `attention_layout` "packed"), and every row attends over exactly the keys it may
 see, in slot order, so a token gets plain decoding's logits on any branch of a tree, not only on first-child chains:
 bf16 speculation is then lossless outright. Slots keep the tree's own order. With either, a verify step runs the
@@ -91,7 +91,9 @@ from trt_engines.base import (
 )
 from trt_engines.attention_groups import call_cost_for, plan_attention_groups
 from trt_engines.cpu_forward import FusedCpuDecoder
-from trt_engines.cpu_kernels import Bf16Linear, TreeAttentionLayout, bf16_bits, cpu_has_native_bf16, tree_attention
+from trt_engines.cpu_kernels import (
+    Bf16Linear, TreeAttentionLayout, auto_cpu_kernels, bf16_bits, cpu_has_native_bf16, tree_attention,
+)
 from trt_engines.kv_cache import PagedKVCache
 from trt_engines.llama import Linear, Transformer
 from trt_engines.prepare import resolve_model_dir
@@ -380,10 +382,9 @@ class TorchEngine:
         # plans with the same price (`StepTimeModel.attention_call_cost`).
         self.attention_call_cost: float = call_cost_for(self.device.type)
         # Where bf16 verify steps run numba kernels (`trt_engines.cpu_kernels`, batch-invariant by construction):
-        # "numba", linear layers and verify attention (the fast path on CPUs without bf16 dot-product instructions,
-        # where PyTorch's bf16 matmuls are slow); "attention", verify attention only, linear layers on PyTorch's
-        # kernels (the fast path where the CPU has those instructions); "torch", neither. "auto" picks "numba" or
-        # "attention" by the CPU (unless batch_invariant=False asks for the fused kernels).
+        # "numba", linear layers and verify attention; "attention", verify attention only, linear layers on
+        # PyTorch's kernels; "torch", neither. "auto" picks "numba" or "attention" by the CPU
+        # (`cpu_kernels.auto_cpu_kernels`), unless batch_invariant=False asks for the fused kernels.
         check_cpu_kernels(cpu_kernels)
         kernels_apply = self.device.type == "cpu" and dtype == torch.bfloat16
         if cpu_kernels in ("numba", "attention") and not kernels_apply:
@@ -391,7 +392,7 @@ class TorchEngine:
                              f"{self.device}")
         if cpu_kernels == "auto":
             cpu_kernels = ("torch" if not kernels_apply or batch_invariant is False else
-                           "attention" if cpu_has_native_bf16() else "numba")
+                           auto_cpu_kernels())
         self.cpu_kernels: str = cpu_kernels  # "numba", "attention" or "torch", as resolved
         # Verify steps in batch-invariant numerics (module docstring): the default for bf16 on the CPU, where it was
         # measured to hold. fp32 matmuls (MKL) round rows differently by row count, so there it would only cost, and

@@ -24,8 +24,8 @@ def _config_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     g.add_argument("--cpu-kernels", default="auto", choices=CPU_KERNEL_CHOICES,
                    help="bf16 on the CPU: numba kernels (batch-invariant on every tree branch) for linear layers and "
-                   "attention, for attention only, or none; auto: numba where the CPU lacks bf16 dot-product "
-                   "instructions, attention where it has them")
+                   "attention, for attention only, or none; auto: attention where the CPU has AMX-BF16, numba "
+                   "elsewhere")
     g.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse earlier requests' KV blocks for repeated prompt prefixes (default: on where the numba "
                    "kernels prefill, which makes reuse exact)")
