@@ -154,8 +154,9 @@ def auto_cpu_kernels() -> str:
     b596c69) the numba kernels took 7.8 ms against 29.8 at batch 1 and 43.0 against 40.8 at batch 32, and 21.1
     against 38.0 for one request with 16 draft nodes; without bf16 instructions at all (AVX2) PyTorch's bf16 matmuls
     take a slow path and are not batch-invariant. One choice per engine, not per step: the two kernels round
-    differently, and a token's logits must not depend on the step it is verified in."""
-    return "attention" if cpu_has_amx_bf16() else "numba"
+    differently, and a token's logits must not depend on the step it is verified in. Where the flags cannot be read
+    (not Linux) it keeps "attention", as before: the numba linear kernels were measured on x86_64 Linux only."""
+    return "attention" if _cpu_flags() is None or cpu_has_amx_bf16() else "numba"
 
 
 def cpu_description() -> str:

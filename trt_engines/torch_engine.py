@@ -28,10 +28,10 @@ CPU kernels ("numba", `trt_engines.cpu_kernels`; what "auto" picks for bf16 on C
 `cpu_kernels.auto_cpu_kernels`): numba kernels for every linear layer and for verify attention, batch-invariant by
 construction. "attention" ("auto" on CPUs with AMX-BF16, where PyTorch's linear layers are the faster ones from a
 few rows on) runs the numba attention with PyTorch's linear layers, computed in the form whose rows oneDNN keeps
-batch-invariant (`llama.Linear.transposed`; only on CPUs with bf16 dot-product instructions). Attention reads each request's keys in place in the
-paged pool (no gather, no padding: `attention_layout` "packed"), and every row attends over exactly the keys it may
-see, in slot order, so a token gets plain decoding's logits on any branch of a tree, not only on first-child chains:
-bf16 speculation is then lossless outright. Slots keep the tree's own order. With either, a verify step runs the
+batch-invariant (`llama.Linear.transposed`; only on CPUs with bf16 dot-product instructions). Attention reads each
+request's keys in place in the paged pool (no gather, no padding: `attention_layout` "packed"), and every row
+attends over exactly the keys it may see, in slot order, so a token gets plain decoding's logits on any branch of a
+tree, not only on first-child chains: bf16 speculation is then lossless outright. Slots keep the tree's own order. With either, a verify step runs the
 whole forward over bf16 bits (`trt_engines.cpu_forward`: RMSNorm, RoPE and the K/V writes, SwiGLU and the residual
 adds as a few numba calls per layer instead of ~60 small PyTorch ops; a plain step of SmolLM2-135M went from 33.9
 to 16.5 ms on a 2-core AVX2 CPU with the numba linear layers, `verify_cost.md` at c7fd3fb and 768bb92). Without
