@@ -4,9 +4,9 @@
 
 Configurations (`TorchEngine` arguments):
 - `numba`: the numba CPU kernels (`trt_engines.cpu_kernels`), batch-invariant by construction on every branch of a
-  tree; the default on CPUs without bf16 dot-product instructions;
+  tree; the default on CPUs without AMX-BF16 (`cpu_kernels.auto_cpu_kernels`);
 - `attention`: the numba attention kernel with PyTorch's linear layers (in the form whose rows oneDNN keeps
-  batch-invariant, `llama.Linear.transposed`), likewise invariant on every branch; the default on CPUs with them;
+  batch-invariant, `llama.Linear.transposed`), likewise invariant on every branch; the default on CPUs with AMX-BF16;
 - `invariant`: PyTorch's kernels in batch-invariant numerics (first-child chains only);
 - `fused`: PyTorch's fused kernels (`batch_invariant=False`).
 

@@ -222,7 +222,7 @@ def _markdown(summary: dict, meta: dict, rows: list[dict], skipped: list[str]) -
         f"- verifying 8 nodes at batch 1 <= 1.3x a plain step (ctx 512): "
         f"{'met' if summary['goal_verify8_le_1p3_plain'] else 'MISSED'} (ratio {fmt(summary['verify8_over_plain_b1_ctx512'])})"
         + ("" if summary["goal_verify8_le_1p3_plain"] else
-           ". Without bf16 dot-product instructions (the numba kernels run) every extra token is compute-bound: "
+           ". Where the numba kernels run (CPUs without AMX-BF16) every extra token is compute-bound: "
            f"about {fmt(_ms_per_extra_token(summary))} ms each at batch 1 (2 x 135M FLOPs at the kernels' FLOP/s), "
            "against a plain step that streams the weights once"
            if meta.get("cpu_kernels") in (True, "numba") else

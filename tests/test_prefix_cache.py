@@ -124,7 +124,7 @@ def engine():
 
     torch.set_num_threads(2)
     # prefix caching asked for explicitly: the default where the numba kernels run, asked for with PyTorch's linear
-    # layers (a CPU with bf16 dot products), exact on both
+    # layers ("auto" on a CPU with AMX-BF16), exact on both
     return TorchEngine("default", dtype=torch.bfloat16, num_blocks=64, block_size=BLOCK, max_context=1024,
                        prefix_caching=True)
 
