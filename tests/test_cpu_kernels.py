@@ -318,13 +318,24 @@ _OUTPUTS_AT_A_WIDTH = textwrap.dedent("""
         k, v = bf16(2, 64, dim), bf16(2, 64, dim)
         outs.append(tree_attention(bf16(5, 6, dim), bf16_bits(k), bf16_bits(v),
                                    TreeAttentionLayout([(0, 20, rng.permutation(64)[:25], mask)]), fp32_out=True))
+    # several requests' trees at once: tasks of many row counts, so every block of the score loop (`_scores`: six,
+    # four, three, two rows; keys in pairs at 16 floats) meets every last partial block of keys
+    k, v = bf16(3, 512, 64), bf16(3, 512, 64)
+    segments, first = [], 0
+    for n, ctx in ((1, 7), (3, 40), (4, 0), (7, 101), (17, 230)):
+        tree = np.tril(rng.random((n, n)) < 0.7) | np.eye(n, dtype=bool)
+        segments.append((first, ctx, rng.permutation(512)[:ctx + n], tree))
+        first += n
+    outs.append(tree_attention(bf16(first, 9, 64), bf16_bits(k), bf16_bits(v), TreeAttentionLayout(segments),
+                               fp32_out=True))
     np.savez(sys.argv[1], width=VECTOR_FLOATS, *[o.numpy() for o in outs])
 """)
 
 
 def test_outputs_do_not_depend_on_the_vector_width(tmp_path, monkeypatch, kernel_runs):
     # The micro-kernel works in 8- or 16-float vectors (AVX2 / AVX-512, `VECTOR_FLOATS`); every output is the same
-    # chain of fused multiply-adds either way, so the bits are the same (LLVM splits 16-float vectors into two on
+    # chain of fused multiply-adds either way, and every attention score the same 8 partial sums added in the same
+    # tree (one key a vector at 8 floats, two at 16), so the bits are the same (LLVM splits 16-float vectors into two on
     # AVX2, so both widths run on any x86 CPU). The width is fixed at import: this process computes at its own,
     # a subprocess (`kernel_runs`) at the other, which compiles every kernel afresh (the on-disk cache is off there).
     script = tmp_path / "outputs.py"
@@ -336,7 +347,7 @@ def test_outputs_do_not_depend_on_the_vector_width(tmp_path, monkeypatch, kernel
     results = [np.load(here), np.load(kernel_runs["folder"] / "other.npz")]
     assert sorted(int(r["width"]) for r in results) == [8, 16]
     names = [n for n in results[0].files if n != "width"]
-    assert len(names) == 6
+    assert len(names) == 7
     for name in names:
         assert np.array_equal(results[0][name], results[1][name]), name
 

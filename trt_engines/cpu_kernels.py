@@ -1,16 +1,17 @@
-"""CPU kernels for bf16 models (numba): batch-invariant linear layers for processors without bf16 dot-product
-instructions, and batch-invariant tree attention for every CPU (`TorchEngine(cpu_kernels=...)`: "numba" runs both,
-"attention", the default where the CPU has those instructions, runs the attention with PyTorch's linear layers).
+"""CPU kernels for bf16 models (numba): batch-invariant linear layers for processors without AMX, and
+batch-invariant tree attention for every CPU (`TorchEngine(cpu_kernels=...)`: "numba" runs both, "attention", the
+default where the CPU has AMX-BF16 (`auto_cpu_kernels`), runs the attention with PyTorch's linear layers).
 
 Without AVX512-BF16 or AMX, PyTorch's bf16 matmuls on the CPU fall back to a slow path: on a 2-core AVX2 EPYC a
 16-row bf16 linear layer ran at ~16 GFLOP/s (one of SmolLM2's MLP projections: 3.5 ms for 16 rows, 0.47 ms for 2),
 and its batched attention matmuls likewise, so verifying a 15-node tree cost 6.6x a plain step. These kernels read
 the bf16 weights (paired into uint32s, `Bf16Linear`) and KV cache as raw bits, widen them to fp32 in registers and
 accumulate in fp32 (what bf16 GEMMs do). Their matrix products run on one register-blocked micro-kernel
-(`_tile_products`, in LLVM IR: up to six rows times 2 x `VECTOR_FLOATS` outputs, or one or two rows (three over
-fp32 values) times four or two times that, per pass over the shared dimension, accumulators in registers; 8-float
-vectors on AVX2, 16 on AVX-512, the same bits either way), so a verify step's extra rows cost compute at close to
-the FMA units' rate rather than loads and horizontal sums; `verify_cost.md` has the step times.
+(`_tile_products`, in LLVM IR: up to `TILE_ROWS` rows (6 on AVX2, 12 on AVX-512) times 2 x `VECTOR_FLOATS`
+outputs, or one or two rows (three over fp32 values) times four or two times that, per pass over the shared
+dimension, accumulators in registers; 8-float vectors on AVX2, 16 on AVX-512, the same bits either way), so a verify
+step's extra rows cost compute at close to the FMA units' rate rather than loads and horizontal sums;
+`verify_cost.md` has the step times.
 `TorchEngine(cpu_kernels=...)` decides where they run.
 
 Both are batch-invariant by construction, which is what lossless bf16 speculation needs (`torch_engine` docstring):
@@ -72,7 +73,12 @@ VECTOR_FLOATS = _vector_floats()
 # numba's on-disk cache is keyed by the CPU, not by module constants: an overridden width compiles afresh, uncached
 _CACHE = "RETROSPEC_CPU_VECTOR_FLOATS" not in os.environ
 LANES = 2 * VECTOR_FLOATS  # output features per packed weight tile: two vectors
-TILE_ROWS = 6  # input rows per micro-kernel call: 12 accumulators + 2 weights + 1 broadcast fit AVX2's 16 registers
+# Input rows per micro-kernel pass: 2 x TILE_ROWS accumulators + 2 weights + 1 broadcast fit the vector registers
+# (AVX2 16, AVX-512 32). A pass streams its weights from memory while its rows' FMAs run; the rows of a later pass
+# meet cached weights and memory idles (`_times_tiles`): AVX-512's 32 registers hold 12 rows' accumulators, and 7 to
+# 12 rows in one pass took 0.84-0.93x the time of 6-row passes plus a pass for the rest over the model's linear
+# layers, 17 rows 0.91x (one-off A/B in one process, 2-core Zen 5 EPYC, the same bits).
+TILE_ROWS = 12 if VECTOR_FLOATS == 16 else 6
 _ROW_CHUNK = 64  # input rows per kernel call: a chunk of widened rows stays in L2 while every weight tile streams past
 _TASKS_PER_THREAD = 4  # runs of weight tiles per thread and `_linear_kernel` call: balanced however they split
 _PREFETCH_BYTES = 2048  # how far ahead of a multi-row pass (`_tile_products`) its weight streams are prefetched
@@ -213,13 +219,30 @@ def _widened_bits(builder, raw):
     return builder.bitcast(shifted, ir.VectorType(ir.FloatType(), lanes))
 
 
+_MOST_UNROLLED = 12  # accumulators of the largest loop `_accumulating_loop` lets LLVM unroll
+
+
+def _loop_without_unrolling(module):
+    """Loop metadata (LLVM IR) that keeps LLVM from unrolling the loop whose back edge carries it."""
+    flag = module.add_metadata([ir.MetaDataString(module, "llvm.loop.unroll.disable")])
+    loop_id = ir.values.MDValue(module, [], name=str(len(module.metadata)))  # refers to itself: new, never shared
+    loop_id.operands = (loop_id, flag)
+    return loop_id
+
+
 def _accumulating_loop(builder, name: str, vector_type, shape: tuple[int, int], step: int, end, body, *,
                        may_skip: bool = False):
     """Emits `for k in range(0, end, step)` (LLVM IR; k and end i64) over a grid of shape[0] x shape[1] accumulator
     vectors of `vector_type` that start at zero: body(k, grid) emits one iteration and returns the updated grid,
     which the next iteration receives. Returns the grid after the loop, where the builder is left. The loop runs at
     least once, unless `may_skip` (then end <= 0 returns zeros). The IR micro-kernels' one loop shape, so each
-    writes only its body."""
+    writes only its body.
+
+    A loop of more than `_MOST_UNROLLED` accumulators is not unrolled: LLVM unrolled 7- to 11-row passes of
+    `_tile_products` three times over, and its copies spilled accumulators to the stack (9-33 moves of 64-byte
+    vectors, AVX-512), so an 11-row pass took 1.4x a 12-row one, which was too long to be unrolled. Kept rolled, the
+    7- to 12-row passes over the model's linear layers took 0.81-0.88x the time of 6-row passes plus a pass for the
+    rest (one-off A/B in one process, 2-core Zen 5 EPYC, same bits)."""
     i64 = ir.IntType(64)
     zeros = ir.Constant(vector_type, None)
     entry = builder.block
@@ -241,7 +264,9 @@ def _accumulating_loop(builder, name: str, vector_type, shape: tuple[int, int], 
     for row, new_row in zip(grid, updated):
         for phi, value in zip(row, new_row):
             phi.add_incoming(value, loop)
-    builder.cbranch(builder.icmp_signed("<", next_k, end), loop, done)
+    back_edge = builder.cbranch(builder.icmp_signed("<", next_k, end), loop, done)
+    if shape[0] * shape[1] > _MOST_UNROLLED:
+        back_edge.set_metadata("llvm.loop", _loop_without_unrolling(builder.module))
     builder.position_at_end(done)
     if not may_skip:
         return updated
@@ -386,8 +411,9 @@ def _tile_products(rows: int, tiles: int = 1):
     return intrinsic(typer)
 
 
-_products_1, _products_2, _products_3, _products_4, _products_5, _products_6 = (
-    _tile_products(rows) for rows in range(1, TILE_ROWS + 1))
+(_products_1, _products_2, _products_3, _products_4, _products_5, _products_6, _products_7, _products_8, _products_9,
+ _products_10, _products_11, _products_12) = (_tile_products(rows) for rows in range(1, 13))
+assert TILE_ROWS <= 12  # the passes `_products` has
 TILE_GROUP = 4  # tiles per call of `_times_tiles` from the linear kernel, and per single-row pass
 _products_1x4 = _tile_products(1, 4)
 _products_2x2 = _tile_products(2, 2)
@@ -414,7 +440,27 @@ def _halving_sum(builder, vector):
     return builder.fadd(first, second)
 
 
-def _dot_products(rows: int, keys: int):
+def _paired_halving_sums(builder, pairs):
+    """`_halving_sum` of each key's SCORE_LANES partial sums, for the SCORE_LANES keys held in pairs by four
+    16-float vectors (key 2c in the low half of pairs[c], key 2c + 1 in its high half): one 8-float vector of the
+    keys' sums in key order (LLVM IR). Each level adds, lane by lane, exactly the operands `_halving_sum` adds for a
+    key (lanes m + m + 4, then m + m + 2, then 0 + 1), so each sum has its bits; the shuffles only regroup the
+    keys' lanes, so that each level is one vector addition for all eight keys instead of one per key."""
+
+    def regrouped(x, y, picked):
+        return builder.shuffle_vector(x, y, ir.Constant(ir.VectorType(ir.IntType(32), len(picked)), picked))
+
+    def level(x, y, low, width):  # lanes low.. of each `width`-lane group of x then y, against the lanes after them
+        groups = range(0, 4 * SCORE_LANES, width)
+        first = [g + low + m for g in groups for m in range(width // 2)]
+        return builder.fadd(regrouped(x, y, first), regrouped(x, y, [t + width // 2 for t in first]))
+
+    fours = [level(pairs[0], pairs[1], 0, SCORE_LANES), level(pairs[2], pairs[3], 0, SCORE_LANES)]  # 4 keys x 4
+    twos = level(fours[0], fours[1], 0, 4)  # 8 keys x 2
+    return builder.fadd(regrouped(twos, twos, list(range(0, 16, 2))), regrouped(twos, twos, list(range(1, 16, 2))))
+
+
+def _dot_products(rows: int, keys: int, paired: bool = False):
     """An intrinsic `(qf, i0, n_rows, kf, j0, n_keys, width, scores, slots) -> None`: for i = min(i0 + r, n_rows - 1),
     r < rows, and j = min(j0 + c, n_keys - 1), c < keys (odd edges repeat their last row or key),
 
@@ -435,7 +481,20 @@ def _dot_products(rows: int, keys: int):
     decoded other bf16 texts than one that compiled the kernel
     (`test_a_process_that_compiles_the_kernels_and_one_that_loads_them_from_numbas_cache_agree`). The rows x keys
     accumulators stay in registers over the loop; per step the fewer of the rows' and keys' vectors are held and
-    the others streamed past them (rows x keys + min(rows, keys) + 1 of AVX2's 16 vector registers)."""
+    the others streamed past them (rows x keys + min(rows, keys) + 1 of AVX2's 16 vector registers).
+
+    `paired` (blocks of SCORE_LANES keys; for 16-float vectors, AVX-512): two keys share each accumulator, key
+    2c's SCORE_LANES partial sums in its low half and key 2c + 1's in its high half, against the row's vector in
+    both halves, so one 16-lane fused multiply-add does the work of two 8-lane ones (the 8-lane loop ran AVX-512
+    cores at half their FMA width: at 2048 keys and 17 new tokens the scores were 60% of a call), and a row's eight
+    sums are reduced together (`_paired_halving_sums`) and stored as one vector at scores[i, j0:j0 + 8], so scores
+    needs those columns even past n_keys (the repeated last key's sums land there). Each lane is the same chain as
+    unpaired and each key's lanes are added in the same tree, so every score keeps its bits."""
+    if paired and keys != SCORE_LANES:
+        raise ValueError(f"paired dot products take blocks of {SCORE_LANES} keys; got {keys}")
+    lanes = 2 * SCORE_LANES if paired else SCORE_LANES  # of an accumulator
+    vector_type = ir.VectorType(ir.FloatType(), lanes)
+    columns = keys // 2 if paired else keys  # accumulators per row
 
     def typer(typingctx, qf, i0, n_rows, kf, j0, n_keys, width, scores, slots):
         if not (all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in (qf, kf, scores))
@@ -473,8 +532,10 @@ def _dot_products(rows: int, keys: int):
             else:
                 key_rows = key_index
             k_rows = [item(k_type, k_view, j, ir.Constant(i64, 0)) for j in key_rows]
-            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32x8, [_F32x8] * 3),
-                                                 "llvm.fma.v8f32")
+            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector_type, [vector_type] * 3),
+                                                 f"llvm.fma.v{lanes}f32")
+            both_halves = list(range(SCORE_LANES)) * 2
+            concatenated = list(range(2 * SCORE_LANES))
 
             def iteration(k, acc):
                 def load(pointer):
@@ -483,40 +544,66 @@ def _dot_products(rows: int, keys: int):
                 def load_key(pointer):
                     if not bits:
                         return load(pointer)
-                    raw = builder.load(builder.bitcast(builder.gep(pointer, [k]), _I16x8.as_pointer()), align=2)
-                    return _widened_bits(builder, raw)
+                    return builder.load(builder.bitcast(builder.gep(pointer, [k]), _I16x8.as_pointer()), align=2)
 
-                updated = [[None] * keys for _ in range(rows)]
-                if keys <= rows:  # the keys' vectors held, each row's streamed past them
-                    k_values = [load_key(p) for p in k_rows]
+                def load_row(pointer):  # in both halves where keys are paired
+                    value = load(pointer)
+                    if not paired:
+                        return value
+                    return builder.shuffle_vector(value, value, ir.Constant(ir.VectorType(ir.IntType(32), lanes),
+                                                                            both_halves))
+
+                def load_column(c):  # key c's vector, or keys 2c and 2c + 1 side by side
+                    if not paired:
+                        value = load_key(k_rows[c])
+                    else:
+                        low, high = load_key(k_rows[2 * c]), load_key(k_rows[2 * c + 1])
+                        value = builder.shuffle_vector(low, high, ir.Constant(
+                            ir.VectorType(ir.IntType(32), lanes), concatenated))
+                    return _widened_bits(builder, value) if bits else value
+
+                updated = [[None] * columns for _ in range(rows)]
+                if columns <= rows:  # the keys' vectors held, each row's streamed past them
+                    k_values = [load_column(c) for c in range(columns)]
                     for r, q_row in enumerate(q_rows):
-                        q_value = load(q_row)
+                        q_value = load_row(q_row)
                         for c, k_value in enumerate(k_values):
                             updated[r][c] = builder.call(fma, [q_value, k_value, acc[r][c]])
                 else:  # the rows' vectors held, each key's streamed past them
-                    q_values = [load(p) for p in q_rows]
-                    for c, k_row in enumerate(k_rows):
-                        k_value = load_key(k_row)
+                    q_values = [load_row(p) for p in q_rows]
+                    for c in range(columns):
+                        k_value = load_column(c)
                         for r, q_value in enumerate(q_values):
                             updated[r][c] = builder.call(fma, [q_value, k_value, acc[r][c]])
                 return updated
 
-            updated = _accumulating_loop(builder, "dot_products", _F32x8, (rows, keys), SCORE_LANES, width,
+            updated = _accumulating_loop(builder, "dot_products", vector_type, (rows, columns), SCORE_LANES, width,
                                          iteration)
             for r, i in enumerate(row_index):
+                if paired:  # the block's scores of this row side by side, in one vector from j0 on
+                    target = item(s_type, s_view, i, first_key)
+                    builder.store(_paired_halving_sums(builder, updated[r]), builder.bitcast(
+                        target, _F32x8.as_pointer()), align=4)
+                    continue
                 for c, j in enumerate(key_index):
                     builder.store(_halving_sum(builder, updated[r][c]), item(s_type, s_view, i, j))
             return context.get_dummy_value()
 
         return types.void(qf, i0, n_rows, kf, j0, n_keys, width, scores, slots), codegen
 
-    typer.__name__ = f"_dot_products_{rows}x{keys}"
+    typer.__name__ = f"_dot_products_{rows}x{keys}{'_paired' if paired else ''}"
     return intrinsic(typer)
 
 
 _dot_products_4x3 = _dot_products(4, 3)  # the score loop's block (`_scores`) ...
 _dot_products_3x4 = _dot_products(3, 4)  # ... and its last rows': three (a plain step's task: 3 heads a KV head) ...
 _dot_products_2x4 = _dot_products(2, 4)  # ... or one or two
+# With 16-float vectors, keys in pairs (`_dot_products(paired=True)`): the same blocks in keys' terms, twice the keys
+_PAIRED_SCORES = VECTOR_FLOATS == 2 * SCORE_LANES
+_dot_products_6x8p = _dot_products(6, SCORE_LANES, paired=True)
+_dot_products_4x8p = _dot_products(4, SCORE_LANES, paired=True)
+_dot_products_3x8p = _dot_products(3, SCORE_LANES, paired=True)
+_dot_products_2x8p = _dot_products(2, SCORE_LANES, paired=True)
 
 
 def _tiles_per_pass(b, rows):  # pragma: no cover - replaced by the overload inside numba
@@ -556,6 +643,19 @@ def _products(b, b_row, b_col, b_row_step, b_col_step, xf, m0, k_dim, out, out_c
             _products_3x2(b, b_row, b_col, b_row_step, b_col_step, xf, m0, k_dim, out, m0, out_col, slots)
         else:
             _products_2x2(b, b_row, b_col, b_row_step, b_col_step, xf, m0, k_dim, out, m0, out_col, slots)
+    elif TILE_ROWS > 6 and rows > 6:  # AVX-512's passes (folded away where TILE_ROWS is 6)
+        if rows == 12:
+            _products_12(b, b_row, b_col, 0, 0, xf, m0, k_dim, out, m0, out_col, slots)
+        elif rows == 11:
+            _products_11(b, b_row, b_col, 0, 0, xf, m0, k_dim, out, m0, out_col, slots)
+        elif rows == 10:
+            _products_10(b, b_row, b_col, 0, 0, xf, m0, k_dim, out, m0, out_col, slots)
+        elif rows == 9:
+            _products_9(b, b_row, b_col, 0, 0, xf, m0, k_dim, out, m0, out_col, slots)
+        elif rows == 8:
+            _products_8(b, b_row, b_col, 0, 0, xf, m0, k_dim, out, m0, out_col, slots)
+        else:
+            _products_7(b, b_row, b_col, 0, 0, xf, m0, k_dim, out, m0, out_col, slots)
     elif rows == 6:
         _products_6(b, b_row, b_col, 0, 0, xf, m0, k_dim, out, m0, out_col, slots)
     elif rows == 5:
@@ -582,7 +682,8 @@ def _times_tiles(xf, b, b_row, b_col, b_row_step, b_col_step, tiles, k_dim, out,
     as a group of their own, as many tiles per pass as that many rows take alone (from L2). One tile per pass for
     them made a seventh row cost 5.4 ms over the model's linear layers, about three rows' arithmetic: a lone row's
     pass is two FMA chains, latency-bound (`linear_rows.md` at 6810b85). (Splitting rows evenly, 9 as 5 + 4, was
-    5-10% slower than 6 + 3 in a one-off A/B at 03d16e1.)"""
+    5-10% slower than 6 + 3 in a one-off A/B at 03d16e1, AVX2.) Every output is the same chain whichever pass
+    computes it, so TILE_ROWS (6 on AVX2, 12 on AVX-512) changes no bit."""
     rows = xf.shape[0]
     if rows <= TILE_ROWS:
         _rows_times_tiles(xf, b, b_row, b_col, b_row_step, b_col_step, tiles, k_dim, out, out_col, 0, rows, slots)
@@ -721,14 +822,35 @@ def _gather_widened(pool, kv, slots, out, dim):
 @njit(inline="always")
 def _scores(qf, kf, scores, width, keys, slots):
     """scores[i, j] = qf[i] . kf[j] (or kf[slots[j]], bf16 kf: `_dot_products`) for every query row and key
-    j < keys, over the first `width` columns (a multiple of SCORE_LANES; zeros past head_dim). Rows go four at a
-    time, three keys a block; the last one to three rows in one pass of blocks of four keys. A score is the same
-    chain whichever block computes it (`_dot_products`), so it depends only on its two vectors. Twelve dot products
-    a block instead of eight (two rows x four keys, the only block at 8a52e3f) made attention calls 0.86-0.95x as
-    long, with the same bits (one-off A/B in one process against 8a52e3f's kernel, 2-core AVX2 EPYC: contexts
-    128-2048, 1-64 new tokens; plain steps 0.93-0.95x)."""
+    j < keys, over the first `width` columns (a multiple of SCORE_LANES; zeros past head_dim). With 8-float vectors
+    (AVX2) rows go four at a time, three keys a block; the last one to three rows in one pass of blocks of four keys.
+    With 16-float vectors (AVX-512) keys go in pairs, eight a block (`_dot_products(paired=True)`), rows six at a
+    time, then four, then the last three or one or two; scores needs columns up to `keys` rounded up to a multiple
+    of SCORE_LANES. A score is the same chain whichever block computes it (`_dot_products`), so it depends only on
+    its two vectors. Twelve dot products a block instead of eight (two rows x four keys, the only block at 8a52e3f)
+    made attention calls 0.86-0.95x as long, with the same bits (one-off A/B in one process against 8a52e3f's
+    kernel, 2-core AVX2 EPYC: contexts 128-2048, 1-64 new tokens; plain steps 0.93-0.95x). The paired blocks made
+    them 0.74-0.86x as long for 2 to 17 new tokens over 512 or 2048 keys, 0.81-0.93x over 128, and plain steps
+    0.88-0.96x, with the same bits (one-off A/B in one process against 99944c7's kernel, 2-core Zen 5 EPYC)."""
     rows = qf.shape[0]
     full = rows - rows % 4
+    if _PAIRED_SCORES:
+        six = rows - rows % 6
+        for i in range(0, six, 6):
+            for j in range(0, keys, SCORE_LANES):
+                _dot_products_6x8p(qf, i, rows, kf, j, keys, width, scores, slots)
+        i = six
+        if rows - i >= 4:
+            for j in range(0, keys, SCORE_LANES):
+                _dot_products_4x8p(qf, i, rows, kf, j, keys, width, scores, slots)
+            i += 4
+        if rows - i == 3:
+            for j in range(0, keys, SCORE_LANES):
+                _dot_products_3x8p(qf, i, rows, kf, j, keys, width, scores, slots)
+        elif rows > i:
+            for j in range(0, keys, SCORE_LANES):
+                _dot_products_2x8p(qf, i, rows, kf, j, keys, width, scores, slots)
+        return
     for i in range(0, full, 4):
         for j in range(0, keys, 3):
             _dot_products_4x3(qf, i, rows, kf, j, keys, width, scores, slots)
@@ -886,7 +1008,7 @@ def _tree_attention_kernel(head_dim: int, widened_copy: bool = False):
                 g, i = divmod(first + row, n)
                 for d in range(dim):
                     q_bits[row, d] = _widen(q[r0 + i, kv * group + g, d])
-            scores = np.empty((count, keys), np.float32)
+            scores = np.empty((count, (keys + SCORE_LANES - 1) // SCORE_LANES * SCORE_LANES), np.float32)
             if in_place:  # keys and values read from the pool through their slots, widened in registers
                 _scores(q_bits.view(np.float32), k_pool[kv], scores, score_width, keys, slots)
             else:
