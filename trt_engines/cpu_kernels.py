@@ -450,13 +450,12 @@ def _paired_halving_sums(builder, pairs):
     def regrouped(x, y, picked):
         return builder.shuffle_vector(x, y, ir.Constant(ir.VectorType(ir.IntType(32), len(picked)), picked))
 
-    def level(x, y, low, width):  # lanes low.. of each `width`-lane group of x then y, against the lanes after them
-        groups = range(0, 4 * SCORE_LANES, width)
-        first = [g + low + m for g in groups for m in range(width // 2)]
+    def level(x, y, width):  # the first half of each `width`-lane group of x then y, plus its second half
+        first = [g + m for g in range(0, 4 * SCORE_LANES, width) for m in range(width // 2)]
         return builder.fadd(regrouped(x, y, first), regrouped(x, y, [t + width // 2 for t in first]))
 
-    fours = [level(pairs[0], pairs[1], 0, SCORE_LANES), level(pairs[2], pairs[3], 0, SCORE_LANES)]  # 4 keys x 4
-    twos = level(fours[0], fours[1], 0, 4)  # 8 keys x 2
+    fours = [level(pairs[0], pairs[1], SCORE_LANES), level(pairs[2], pairs[3], SCORE_LANES)]  # 4 keys x 4 lanes
+    twos = level(fours[0], fours[1], 4)  # 8 keys x 2 lanes
     return builder.fadd(regrouped(twos, twos, list(range(0, 16, 2))), regrouped(twos, twos, list(range(1, 16, 2))))
 
 
