@@ -318,8 +318,8 @@ _OUTPUTS_AT_A_WIDTH = textwrap.dedent("""
         k, v = bf16(2, 64, dim), bf16(2, 64, dim)
         outs.append(tree_attention(bf16(5, 6, dim), bf16_bits(k), bf16_bits(v),
                                    TreeAttentionLayout([(0, 20, rng.permutation(64)[:25], mask)]), fp32_out=True))
-    # several requests' trees at once: tasks of many row counts, so every block of the score loop (`_scores`: six,
-    # four, three, two rows; keys in pairs at 16 floats) meets every last partial block of keys
+    # several requests' trees at once: tasks of many row counts for the score loop's blocks (`_scores`: six, four,
+    # three, two rows; keys in pairs at 16 floats), and key counts that leave partial blocks of keys
     k, v = bf16(3, 512, 64), bf16(3, 512, 64)
     segments, first = [], 0
     for n, ctx in ((1, 7), (3, 40), (4, 0), (7, 101), (17, 230)):
