@@ -34,17 +34,22 @@ NODES = (0, 4, 16)
 WAYS = ("pool", "copy")
 
 
-class _TimedAttention:
-    """Stands in for `cpu_forward.tree_attention_bits` while the benchmark runs: the kernel with `widened_copy` set
-    by the way being measured, its seconds summed per way."""
+class TimedAttention:
+    """Stands in for `cpu_forward.tree_attention_bits` while a benchmark runs: the kernel, called with the keyword
+    arguments `options[label]` of the way being measured (`label`), its seconds summed per label."""
 
-    def __init__(self, kernel):
-        self.kernel, self.way, self.seconds = kernel, "pool", dict.fromkeys(WAYS, 0.0)
+    def __init__(self, kernel, labels: tuple[str, ...], options: dict[str, dict] | None = None):
+        self.kernel, self.labels, self.options = kernel, labels, options or {}
+        self.label = labels[0]
+        self.seconds = dict.fromkeys(labels, 0.0)
+
+    def reset(self) -> None:
+        self.seconds = dict.fromkeys(self.labels, 0.0)
 
     def __call__(self, *args, **kwargs):
         started = time.perf_counter()
-        out = self.kernel(*args, widened_copy=self.way == "copy", **kwargs)
-        self.seconds[self.way] += time.perf_counter() - started
+        out = self.kernel(*args, **self.options.get(self.label, {}), **kwargs)
+        self.seconds[self.label] += time.perf_counter() - started
         return out
 
 
@@ -53,7 +58,8 @@ def measure(rounds: int) -> dict:
     if not engine.kernel_attention:
         raise SystemExit("cpu_attention measures the numba tree-attention kernel; this engine runs PyTorch's "
                          "attention (cpu_kernels='torch')")
-    timed = _TimedAttention(cpu_forward.tree_attention_bits)
+    timed = TimedAttention(cpu_forward.tree_attention_bits, WAYS,
+                           {way: {"widened_copy": way == "copy"} for way in WAYS})
     cpu_forward.tree_attention_bits = timed
     rng = np.random.default_rng(0)
     rows = []
@@ -64,13 +70,13 @@ def measure(rounds: int) -> dict:
                 items = [VerifyItem("r", random_tree(nodes, rng))]
                 tokens = {}
                 for way in WAYS:  # compiles both kernels; the same target tokens either way
-                    timed.way = way
+                    timed.label = way
                     tokens[way] = engine.verify(items).results[0].target_tokens
                 steps: dict[str, list[float]] = {w: [] for w in WAYS}
-                timed.seconds = dict.fromkeys(WAYS, 0.0)
+                timed.reset()
                 for r in range(rounds):
                     for way in WAYS if r % 2 else WAYS[::-1]:
-                        timed.way = way
+                        timed.label = way
                         steps[way].append(engine.verify(items).timings["total_ms"])
                 pool_ms, copy_ms = (statistics.median(steps[w]) for w in WAYS)
                 rows.append({"context": context, "nodes": nodes, "pool_step_ms": pool_ms, "copy_step_ms": copy_ms,

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import random
 import statistics
-import time
 
 import numba
 import numpy as np
 import torch
 
 import trt_engines.cpu_forward as cpu_forward
+from benchmarks.cpu_attention import TimedAttention
 from benchmarks.results_files import rounds_benchmark_main
 from drafter.tree import DraftTree
 from trt_engines.base import VerifyItem
@@ -39,19 +39,6 @@ PLACEMENTS = ("contiguous", "scattered")
 POOL_BLOCKS = 8192
 
 
-class _TimedAttention:
-    """Stands in for `cpu_forward.tree_attention_bits` while the benchmark runs: its seconds summed per placement."""
-
-    def __init__(self, kernel):
-        self.kernel, self.placement, self.seconds = kernel, PLACEMENTS[0], dict.fromkeys(PLACEMENTS, 0.0)
-
-    def __call__(self, *args, **kwargs):
-        started = time.perf_counter()
-        out = self.kernel(*args, **kwargs)
-        self.seconds[self.placement] += time.perf_counter() - started
-        return out
-
-
 def _chain(nodes: int) -> DraftTree:
     return DraftTree.chain(np.arange(1, nodes + 1)) if nodes else DraftTree.empty()
 
@@ -61,7 +48,7 @@ def measure(rounds: int) -> dict:
     if not engine.kernel_attention:
         raise SystemExit("kv_placement measures the numba tree-attention kernel; this engine runs PyTorch's "
                          "attention (cpu_kernels='torch')")
-    timed = _TimedAttention(cpu_forward.tree_attention_bits)
+    timed = TimedAttention(cpu_forward.tree_attention_bits, PLACEMENTS)
     cpu_forward.tree_attention_bits = timed
     most = max(b for b, _ in SHAPES)
     rows = []
@@ -80,10 +67,10 @@ def measure(rounds: int) -> dict:
                 for placement in PLACEMENTS:  # warm-up
                     engine.verify(items[placement])
                 steps: dict[str, list[float]] = {p: [] for p in PLACEMENTS}
-                timed.seconds = dict.fromkeys(PLACEMENTS, 0.0)
+                timed.reset()
                 for r in range(rounds):
                     for placement in PLACEMENTS if r % 2 else PLACEMENTS[::-1]:
-                        timed.placement = placement
+                        timed.label = placement
                         steps[placement].append(engine.verify(items[placement]).timings["total_ms"])
                 contiguous_ms, scattered_ms = (statistics.median(steps[p]) for p in PLACEMENTS)
                 rows.append({"context": context, "requests": batch, "nodes": nodes,

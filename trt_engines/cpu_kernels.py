@@ -287,6 +287,20 @@ def _accumulating_loop(builder, name: str, vector_type, shape: tuple[int, int], 
     return merged
 
 
+def _prefetcher(context, builder, dtype):
+    """emit(pointer): a prefetch of the cache line at `pointer` (to an element of `dtype`) for reading, kept in every
+    cache level (LLVM IR: llvm.prefetch, a hint that never faults)."""
+    i32 = ir.IntType(32)
+    function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
+        ir.VoidType(), [context.get_data_type(dtype).as_pointer(), i32, i32, i32]), "llvm.prefetch.p0")
+    read_keep_data = [ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)]
+
+    def emit(pointer):
+        builder.call(function, [pointer] + read_keep_data)
+
+    return emit
+
+
 def _tile_products(rows: int, tiles: int = 1):
     """An intrinsic `(b, b_row, b_col, b_row_step, b_col_step, xf, m0, k_dim, out, out_row, out_col, slots) -> None`:
     for r < rows, t < tiles, j < LANES, with tile t's weights at b_row + t * b_row_step, b_col + t * b_col_step,
@@ -350,10 +364,7 @@ def _tile_products(rows: int, tiles: int = 1):
             # cover, and the hardware prefetcher alone falls behind: each iteration asks for the line
             # `_PREFETCH_BYTES` ahead (bf16 weights; a hint, which never faults past the array's end).
             prefetch = _PREFETCH_BYTES // (2 * LANES) if bf16 and rows > 1 else 0  # in iterations of k
-            i32 = ir.IntType(32)
-            prefetch_function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
-                ir.VoidType(), [context.get_data_type(b_type.dtype).as_pointer(), i32, i32, i32]), "llvm.prefetch.p0")
-            read_keep_data = [ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)]
+            prefetch_line = _prefetcher(context, builder, b_type.dtype)
             vectors = 2 * tiles  # accumulator vectors per row: vector v is tile v // 2, half v % 2
 
             def broadcast(k, r):
@@ -388,7 +399,7 @@ def _tile_products(rows: int, tiles: int = 1):
                     ahead = builder.add(k, const(prefetch))
                     for t in range(tiles):
                         ahead_of_tile = item(b_type, b_view, builder.add(tile_rows[t], ahead), tile_cols[t])
-                        builder.call(prefetch_function, [ahead_of_tile] + read_keep_data)
+                        prefetch_line(ahead_of_tile)
                 elif gathered:
                     ahead = builder.add(k, const(_GATHER_AHEAD_VALUES))
                     ahead = builder.select(builder.icmp_signed("<", ahead, k_dim_value), ahead,
@@ -397,7 +408,7 @@ def _tile_products(rows: int, tiles: int = 1):
                         slot = builder.load(cgutils.get_item_pointer(context, builder, slot_type, slot_view,
                                                                      [builder.add(tile_rows[t], ahead)],
                                                                      wraparound=False))
-                        builder.call(prefetch_function, [item(b_type, b_view, slot, tile_cols[t])] + read_keep_data)
+                        prefetch_line(item(b_type, b_view, slot, tile_cols[t]))
                 # emitted in the order that keeps the fewest vectors live besides the accumulators (LLVM keeps it):
                 # all the weights and one row's broadcast at a time, or all the broadcasts and one weight at a time
                 updated = [[None] * vectors for _ in range(rows)]
@@ -552,18 +563,14 @@ def _dot_products(rows: int, keys: int, paired: bool = False):
                 key_rows = key_index
             k_rows = [item(k_type, k_view, j, ir.Constant(i64, 0)) for j in key_rows]
             if bits:
-                i32 = ir.IntType(32)
-                prefetch = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
-                    ir.VoidType(), [context.get_data_type(k_type.dtype).as_pointer(), i32, i32, i32]),
-                    "llvm.prefetch.p0")
+                prefetch_line = _prefetcher(context, builder, k_type.dtype)
                 for c in range(keys):
                     ahead = clamped(first_key, c + _GATHER_AHEAD_KEYS, key_end)
                     slot = builder.load(cgutils.get_item_pointer(context, builder, slot_type, slot_view, [ahead],
                                                                  wraparound=False))
                     row = item(k_type, k_view, slot, ir.Constant(i64, 0))
-                    for line in range(2):
-                        builder.call(prefetch, [builder.gep(row, [ir.Constant(i64, 32 * line)]),
-                                                ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+                    for line in range(2):  # 64-byte lines of bf16 values
+                        prefetch_line(builder.gep(row, [ir.Constant(i64, 32 * line)]))
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector_type, [vector_type] * 3),
                                                  f"llvm.fma.v{lanes}f32")
             both_halves = list(range(SCORE_LANES)) * 2
