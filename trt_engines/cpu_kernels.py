@@ -240,12 +240,12 @@ def _loop_without_unrolling(module):
 
 
 def _accumulating_loop(builder, name: str, vector_type, shape: tuple[int, int], step: int, end, body, *,
-                       may_skip: bool = False):
+                       may_skip: bool = False, start=None):
     """Emits `for k in range(0, end, step)` (LLVM IR; k and end i64) over a grid of shape[0] x shape[1] accumulator
-    vectors of `vector_type` that start at zero: body(k, grid) emits one iteration and returns the updated grid,
-    which the next iteration receives. Returns the grid after the loop, where the builder is left. The loop runs at
-    least once, unless `may_skip` (then end <= 0 returns zeros). The IR micro-kernels' one loop shape, so each
-    writes only its body.
+    vectors of `vector_type` that start at zero (or at `start`, a constant of that type): body(k, grid) emits one
+    iteration and returns the updated grid, which the next iteration receives. Returns the grid after the loop,
+    where the builder is left. The loop runs at least once, unless `may_skip` (then end <= 0 returns the start).
+    The IR micro-kernels' one loop shape, so each writes only its body.
 
     A loop of more than `_MOST_UNROLLED` accumulators is not unrolled: LLVM unrolled 7- to 11-row passes of
     `_tile_products` three times over, and its copies spilled accumulators to the stack (9-33 moves of 64-byte
@@ -253,7 +253,7 @@ def _accumulating_loop(builder, name: str, vector_type, shape: tuple[int, int], 
     7- to 12-row passes over the model's linear layers took 0.81-0.88x the time of 6-row passes plus a pass for the
     rest (one-off A/B in one process, 2-core Zen 5 EPYC, same bits)."""
     i64 = ir.IntType(64)
-    zeros = ir.Constant(vector_type, None)
+    initial = ir.Constant(vector_type, None) if start is None else start
     entry = builder.block
     loop = builder.append_basic_block(f"{name}.loop")
     done = builder.append_basic_block(f"{name}.done")
@@ -266,7 +266,7 @@ def _accumulating_loop(builder, name: str, vector_type, shape: tuple[int, int], 
     k.add_incoming(ir.Constant(i64, 0), entry)
     grid = [[builder.phi(vector_type) for _ in range(shape[1])] for _ in range(shape[0])]
     for phi in (p for row in grid for p in row):
-        phi.add_incoming(zeros, entry)
+        phi.add_incoming(initial, entry)
     updated = body(k, grid)
     next_k = builder.add(k, ir.Constant(i64, step))
     k.add_incoming(next_k, loop)
@@ -282,7 +282,7 @@ def _accumulating_loop(builder, name: str, vector_type, shape: tuple[int, int], 
     merged = [[builder.phi(vector_type) for _ in row] for row in updated]
     for row, new_row in zip(merged, updated):
         for phi, value in zip(row, new_row):
-            phi.add_incoming(zeros, entry)
+            phi.add_incoming(initial, entry)
             phi.add_incoming(value, loop)
     return merged
 
@@ -970,19 +970,50 @@ def _scaled_lane_sum(typingctx, weights, powers, whole):
     return types.float32(weights, powers, whole), codegen
 
 
+@intrinsic
+def _lane_max(typingctx, weights, whole):
+    """The largest of weights[:whole] (-inf for whole 0), `whole` a multiple of 16: running maxima in two vectors of
+    SCORE_LANES lanes (each keeps the larger of itself and the next value, as numba's max(a, b) does: a NaN never
+    wins), then the lanes. A max is exact in whatever order, so this is max(weights[:whole]) however it is split. In
+    LLVM IR because numba kept its array of 16 running maxima in memory: 1.0 ns a key per query row of the softmax,
+    most of it (one-off, 705 keys, 2-core AVX2 EPYC)."""
+    if not (isinstance(weights, types.Array) and weights.ndim == 1 and weights.dtype == types.float32
+            and weights.layout == "C"):
+        return None
+
+    def codegen(context, builder, signature, args):
+        w_type = signature.args[0]
+        i64 = ir.IntType(64)
+        w_view = context.make_array(w_type)(context, builder, args[0])
+        whole = context.cast(builder, args[1], signature.args[1], types.int64)
+        w0 = cgutils.get_item_pointer(context, builder, w_type, w_view, [ir.Constant(i64, 0)], wraparound=False)
+
+        def larger(a, b):  # b where b > a, else a
+            return builder.select(builder.fcmp_ordered(">", b, a), b, a)
+
+        def iteration(t, acc):
+            loads = [builder.load(builder.bitcast(builder.gep(w0, [builder.add(t, ir.Constant(i64, SCORE_LANES * h))]),
+                                                  _F32x8.as_pointer()), align=4) for h in range(2)]
+            return [[larger(top, value) for top, value in zip(acc[0], loads)]]
+
+        lowest = ir.Constant(_F32x8, [float("-inf")] * SCORE_LANES)
+        [(low, high)] = _accumulating_loop(builder, "lane_max", _F32x8, (1, 2), 2 * SCORE_LANES, whole, iteration,
+                                           may_skip=True, start=lowest)
+        eight = larger(low, high)
+        four = larger(_lanes(builder, eight, [0, 1, 2, 3]), _lanes(builder, eight, [4, 5, 6, 7]))
+        two = larger(_lanes(builder, four, [0, 1]), _lanes(builder, four, [2, 3]))
+        first, second = (builder.extract_element(two, ir.Constant(ir.IntType(32), lane)) for lane in (0, 1))
+        return larger(first, second)
+
+    return types.float32(weights, whole), codegen
+
+
 @njit(inline="always")
 def _softmax_weights(weights, m, power_bits):
     """weights[:m] <- exp(weights[:m] - max) in place (Cephes' expf, above; 0 below `_EXP_FLOOR`); returns their sum.
     `power_bits`: uint32 scratch [>= m] for the 2^k factors."""
-    # the max in _MAX_LANES independent lanes (a max is exact in any order; one running max would not vectorise)
-    tops = np.full(_MAX_LANES, -np.inf, np.float32)
     whole = m - m % _MAX_LANES
-    for t0 in range(0, whole, _MAX_LANES):
-        for lane in range(_MAX_LANES):
-            tops[lane] = max(tops[lane], weights[t0 + lane])
-    top = np.float32(-np.inf)
-    for lane in range(_MAX_LANES):
-        top = max(top, tops[lane])
+    top = _lane_max(weights, whole)  # a max is exact in any order: lanes, then the rest in turn
     for t in range(whole, m):
         top = max(top, weights[t])
     for t in range(m):
