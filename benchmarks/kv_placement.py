@@ -1,8 +1,8 @@
 """What it costs a CPU verify step when a request's KV blocks lie scattered over the paged pool rather than in a row:
 the default engine (bf16, its numba attention kernel), one or four requests at contexts 512 and 2048, plain steps
-and draft trees of 4 and 16 nodes, each point once with every request's blocks contiguous and once with them
-handed out in a random order over a large pool (8192 blocks, 3 GB), as a pool that has served many requests for a
-while hands them out.
+and draft trees of 4 and 16 nodes, each point once with every request's blocks contiguous (as the allocator places
+them: `trt_engines.kv_cache`) and once with them moved to random blocks of a large pool (8192 blocks, 3 GB), as a
+free list handed them out after serving many requests for a while, before the allocator kept tables in runs.
 
     .venv/bin/python -m benchmarks.kv_placement [--rounds 20]
 
@@ -18,7 +18,6 @@ benchmarks/results/kv_placement.{json,md}.
 
 from __future__ import annotations
 
-import random
 import statistics
 
 import numba
@@ -43,6 +42,17 @@ def _chain(nodes: int) -> DraftTree:
     return DraftTree.chain(np.arange(1, nodes + 1)) if nodes else DraftTree.empty()
 
 
+def _scatter(kv, request_id, rng) -> None:
+    """Move a request's blocks to random free blocks of the pool, as a pool that has served many requests for a
+    while might have handed them out. It edits the cache's private bookkeeping (no public call places blocks), and
+    leaves the K/V behind: a synthetic request's values do not change a step's time."""
+    table = kv.tables[request_id]
+    picked = rng.choice(np.flatnonzero(kv._is_free), len(table), replace=False)
+    kv._is_free[picked], kv._is_free[table] = False, True
+    kv._refs[picked], kv._refs[table] = 1, 0
+    kv.tables[request_id] = [int(b) for b in picked]
+
+
 def measure(rounds: int) -> dict:
     engine = TorchEngine("default", dtype=torch.bfloat16, num_blocks=POOL_BLOCKS)
     if not engine.kernel_attention:
@@ -54,14 +64,14 @@ def measure(rounds: int) -> dict:
     rows = []
     try:
         for context in CONTEXTS:
-            # the contiguous requests take the first blocks in order; the rest of the free list is then shuffled
-            # (a private list, popped from its end: no public call hands out blocks in a chosen order)
-            engine.kv._free.sort(reverse=True)
+            # every request's blocks come as one run (the allocator keeps a table's blocks in runs); the scattered
+            # ones are then moved to random free blocks
+            rng = np.random.default_rng(context)
             for i in range(most):
                 engine.add_synthetic_request(f"contiguous{i}", context)
-            random.Random(context).shuffle(engine.kv._free)
             for i in range(most):
                 engine.add_synthetic_request(f"scattered{i}", context)
+                _scatter(engine.kv, f"scattered{i}", rng)
             for batch, nodes in SHAPES:
                 items = {p: [VerifyItem(f"{p}{i}", _chain(nodes)) for i in range(batch)] for p in PLACEMENTS}
                 for placement in PLACEMENTS:  # warm-up
