@@ -461,13 +461,14 @@ def _lanes(builder, vector, picked: list[int]):
     return builder.shuffle_vector(vector, undefined, ir.Constant(ir.VectorType(ir.IntType(32), len(picked)), picked))
 
 
-def _halving_sum(builder, vector):
+def _halving_sum(builder, vector, combine=None):
     """The sum of an 8-float vector's lanes in a fixed tree (LLVM IR): lanes 0-3 + 4-7, then 0-1 + 2-3, then 0 + 1.
-    No fast-math flag, so this is the order computed."""
-    four = builder.fadd(_lanes(builder, vector, [0, 1, 2, 3]), _lanes(builder, vector, [4, 5, 6, 7]))
-    two = builder.fadd(_lanes(builder, four, [0, 1]), _lanes(builder, four, [2, 3]))
+    No fast-math flag, so this is the order computed. `combine(a, b)` in place of the addition (a max, say)."""
+    combine = combine or builder.fadd
+    four = combine(_lanes(builder, vector, [0, 1, 2, 3]), _lanes(builder, vector, [4, 5, 6, 7]))
+    two = combine(_lanes(builder, four, [0, 1]), _lanes(builder, four, [2, 3]))
     first, second = (builder.extract_element(two, ir.Constant(ir.IntType(32), lane)) for lane in (0, 1))
-    return builder.fadd(first, second)
+    return combine(first, second)
 
 
 def _paired_halving_sums(builder, pairs):
@@ -999,11 +1000,7 @@ def _lane_max(typingctx, weights, whole):
         lowest = ir.Constant(_F32x8, [float("-inf")] * SCORE_LANES)
         [(low, high)] = _accumulating_loop(builder, "lane_max", _F32x8, (1, 2), 2 * SCORE_LANES, whole, iteration,
                                            may_skip=True, start=lowest)
-        eight = larger(low, high)
-        four = larger(_lanes(builder, eight, [0, 1, 2, 3]), _lanes(builder, eight, [4, 5, 6, 7]))
-        two = larger(_lanes(builder, four, [0, 1]), _lanes(builder, four, [2, 3]))
-        first, second = (builder.extract_element(two, ir.Constant(ir.IntType(32), lane)) for lane in (0, 1))
-        return larger(first, second)
+        return _halving_sum(builder, larger(low, high), combine=larger)  # the lanes' max, in the sum's tree
 
     return types.float32(weights, whole), codegen
 

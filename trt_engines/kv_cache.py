@@ -16,7 +16,7 @@ Placement: a request's next block is the one after its last where that is free, 
 of free blocks (its start at the pool's start), which leaves the blocks on either side room to grow. So a prompt's
 blocks are one run, and requests that grow side by side (a batch decoding) each extend their own run instead of
 taking turns on the lowest free block. A CPU attention kernel reads each block as a 2 KB run per layer and KV head,
-and the hardware prefetcher starts over at every jump: a plain step over blocks handed out at random took 1.07-1.42x
+and the hardware prefetcher starts over at every jump: a plain step over blocks handed out at random took 1.03-1.47x
 its time over blocks in a row (`benchmarks/results/kv_placement.md`).
 
 Prefix caching (`prefix_caching=True`; vLLM's automatic prefix caching, TensorRT-LLM's KV block reuse): a full block
@@ -123,7 +123,6 @@ class PagedKVCache:
         self.pool = torch.zeros(n_layers, 2, n_kv_heads, num_blocks, block_size, head_dim, dtype=dtype, device=device)
         self._flat = self.pool.view(n_layers, 2, n_kv_heads, num_blocks * block_size, head_dim)
         self._is_free = np.ones(num_blocks, bool)  # neither held nor cached (module docstring: placement)
-        self._free_count = num_blocks
         self.tables: dict[object, list[int]] = {}
         self.prefix_caching = bool(prefix_caching)
         self._refs = np.zeros(num_blocks, np.int32)  # tables holding each block
@@ -142,7 +141,7 @@ class PagedKVCache:
 
     def free_blocks(self) -> int:
         """Blocks an allocation can take: unused ones and cached ones nobody holds."""
-        return self._free_count + len(self._evictable)
+        return int(np.count_nonzero(self._is_free)) + len(self._evictable)
 
     def cached_blocks(self) -> int:
         """Blocks holding a prefix that `match` can find (held by a request or not)."""
@@ -166,7 +165,7 @@ class PagedKVCache:
             table.append(self._take(table[-1] + 1 if table else -1))
 
     def shrink(self, request_id, num_slots: int) -> None:
-        """Return the blocks beyond the first `num_slots` slots to the free list."""
+        """Give back the blocks beyond the first `num_slots` slots."""
         table = self.tables[request_id]
         keep = self.blocks_needed(num_slots)
         while len(table) > keep:
@@ -202,10 +201,9 @@ class PagedKVCache:
             self._prefixes.publish(np.asarray(tokens)[:num_tokens], self.tables[request_id], salt)
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached prefix (blocks nobody holds go back to the free list); returns how many were
+        """Forget every cached prefix (blocks nobody holds become free); returns how many were
         forgotten. Blocks requests hold stay theirs."""
-        for block in self._evictable:
-            self._set_free(block)
+        self._is_free[list(self._evictable)] = True
         self._evictable.clear()
         return self._prefixes.clear()
 
@@ -214,14 +212,12 @@ class PagedKVCache:
         middle of the longest free run, else the cached block released longest ago (evicted)."""
         if 0 <= preferred < self.num_blocks and self._is_free[preferred]:
             block = preferred
-        elif self._free_count:
+        elif self._is_free.any():
             block = self._run_middle()
         else:
             block, _ = self._evictable.popitem(last=False)
             self._prefixes.forget(block)
-        if self._is_free[block]:
-            self._is_free[block] = False
-            self._free_count -= 1
+        self._is_free[block] = False
         self._refs[block] = 1
         return block
 
@@ -234,17 +230,13 @@ class PagedKVCache:
         start, end = int(starts[longest]), int(ends[longest])
         return start if start == 0 else (start + end) // 2
 
-    def _set_free(self, block: int) -> None:
-        self._is_free[block] = True
-        self._free_count += 1
-
     def _drop(self, block: int) -> None:
         self._refs[block] -= 1
         if self._refs[block] == 0:
             if block in self._prefixes:
                 self._evictable[block] = None
             else:
-                self._set_free(block)
+                self._is_free[block] = True
 
     def flat_slots(self, request_id, start: int, stop: int) -> np.ndarray:
         """int64 flat slot ids of the request's slots [start, stop)."""
