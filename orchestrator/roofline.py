@@ -210,6 +210,8 @@ class StepTimeModel:
 
     def extra_attention_calls(self, tokens, context) -> float:
         """Attention calls of one step beyond one per layer (only a "grouped" engine makes more than one)."""
+        if self.attention_layout != "grouped" or np.size(tokens) <= 1:
+            return 0.0
         return self._attention_terms(tokens, context)[1]
 
     def _attention_terms(self, tokens, context) -> tuple[float, float]:
@@ -239,17 +241,17 @@ class StepTimeModel:
         return np.maximum(flops * T, weights + per_token * T)
 
     def features(self, tokens, context) -> np.ndarray:
-        tokens = np.asarray(tokens, dtype=np.float64)
-        total = tokens.sum()
-        attention_s, extra_calls = self._attention_terms(tokens, context)
-        return np.array([
-            1.0,
-            float(self.linear_seconds(total)),
-            attention_s,
-            float(self.lm_head_seconds(total)),
-            total,
-            extra_calls,
-        ])
+        """The step's feature row [1, linear, attention, LM head, T, extra calls] (`FEATURES`): one kernel call,
+        since the budget controller and the online refit price three steps per step (as array ops this was ~60 us a
+        call, ~4% of a cap-1 CPU step in all)."""
+        tokens = np.ascontiguousarray(tokens, dtype=np.float64)
+        context = np.ascontiguousarray(context, dtype=np.float64)
+        if self.attention_layout == "grouped" and tokens.size > 1:  # the engine's planner decides the calls
+            attention_s, extra_calls = self._attention_terms(tokens, context)
+        else:  # packed, padded, or a lone request (one call): priced in the kernel
+            attention_s, extra_calls = -1.0, 0.0
+        return _step_features(self._rate_table, self.shape.n_layers, tokens, context,
+                              self.attention_layout != "packed", attention_s, extra_calls)
 
     def prefix_seconds(self, context: np.ndarray, candidate_context: np.ndarray, candidate_rank: np.ndarray,
                        attention_calls: float) -> np.ndarray:
@@ -262,7 +264,8 @@ class StepTimeModel:
         prices grouping separately)."""
         padded = self.attention_layout == "padded"
         context = np.asarray(context, dtype=np.float64)
-        plain_attention = 0.0 if padded else float(self.attention_seconds(np.ones(context.shape[0]), context).sum())
+        plain_attention = 0.0 if padded else _batch_attention(self._rate_table, self.shape.n_layers,
+                                                              np.ones(context.shape[0]), context, False)
         features = _prefix_features(self._rate_table, self.shape.n_layers, context.shape[0], padded,
                                     float((context + 1).max(initial=1.0)), plain_attention, float(attention_calls),
                                     np.ascontiguousarray(candidate_context, dtype=np.float64),
@@ -352,9 +355,6 @@ def _prefix_features(rates, n_layers, batch, padded, longest_keys, plain_attenti
     rows, keys = 1.0, longest_keys
     for k in range(n + 1):
         total = batch + float(k)
-        linear = 0.0
-        for op in range(3):
-            linear = linear + max(rates[3 * op] * total, rates[3 * op + 1] + rates[3 * op + 2] * total)
         if k > 0:
             before = 1.0 + candidate_rank[k - 1]
             if padded:
@@ -363,13 +363,55 @@ def _prefix_features(rates, n_layers, batch, padded, longest_keys, plain_attenti
             else:
                 attention = attention + (_attention_one(rates, n_layers, before + 1, candidate_context[k - 1])
                                          - _attention_one(rates, n_layers, before, candidate_context[k - 1]))
-        features[k, 0] = 1.0
-        features[k, 1] = n_layers * (linear + rates[9] * total)
-        features[k, 2] = batch * _attention_one(rates, n_layers, rows, keys - rows) if padded else attention
-        features[k, 3] = max(rates[10] * total, rates[11] + rates[12] * total)
-        features[k, 4] = total
-        features[k, 5] = attention_calls
+        _fill_features(rates, n_layers, total, batch * _attention_one(rates, n_layers, rows, keys - rows) if padded
+                       else attention, attention_calls, features[k])
     return features
+
+
+@nb.njit(cache=True)
+def _fill_features(rates, n_layers, total, attention, attention_calls, row):
+    """One feature row (`FEATURES`) of a step of `total` tokens whose attention costs `attention` seconds."""
+    linear = 0.0
+    for op in range(3):
+        linear = linear + max(rates[3 * op] * total, rates[3 * op + 1] + rates[3 * op + 2] * total)
+    row[0] = 1.0
+    row[1] = n_layers * (linear + rates[9] * total)
+    row[2] = attention
+    row[3] = max(rates[10] * total, rates[11] + rates[12] * total)
+    row[4] = total
+    row[5] = attention_calls
+
+
+@nb.njit(cache=True)
+def _batch_attention(rates, n_layers, tokens, context, one_call):
+    """Attention seconds of a step: each request alone (packed), or, `one_call`, every request padded to the
+    deepest tree over the longest context (`StepTimeModel._attention_terms`)."""
+    n = tokens.shape[0]
+    if n == 0:
+        return 0.0
+    if one_call:
+        rows, keys = tokens[0], tokens[0] + context[0]
+        for i in range(1, n):
+            rows = max(rows, tokens[i])
+            keys = max(keys, tokens[i] + context[i])
+        return n * _attention_one(rates, n_layers, rows, keys - rows)
+    attention = 0.0
+    for i in range(n):
+        attention += _attention_one(rates, n_layers, tokens[i], context[i])
+    return attention
+
+
+@nb.njit(cache=True)
+def _step_features(rates, n_layers, tokens, context, one_call, attention, attention_calls):
+    """`StepTimeModel.features`: `attention` < 0 prices the step's attention here (`_batch_attention`)."""
+    total = 0.0
+    for i in range(tokens.shape[0]):
+        total += tokens[i]
+    if attention < 0.0:
+        attention = _batch_attention(rates, n_layers, tokens, context, one_call)
+    row = np.empty(6)
+    _fill_features(rates, n_layers, total, attention, attention_calls, row)
+    return row
 
 
 def step_coefficients(values) -> np.ndarray:
