@@ -625,8 +625,8 @@ def _batch_layout(sizes, local_parents):
 
 @nb.njit(cache=True)
 def _order_candidates(owner, sizes, values, factors, token_worth):
-    """`_goodput_nodes`' candidate order in one compiled call (as array operations it was a dozen calls, ~100 us a
-    step at batch 1 in a served run): each node's predicted acceptance `probs` (its request's factor times its
+    """`_goodput_nodes`' candidate order in one compiled call (as array operations it was a dozen calls, each a
+    few microseconds, on every step): each node's predicted acceptance `probs` (its request's factor times its
     recalibrated value, at most 1) and worth `value` (times its request's token worth), sorted by worth, best first
     and stable (ties keep the layout: by request, parents first). Returns, in that order, each candidate's request,
     probs, value, index within its tree and rank within its request, and the cumulative worth of every prefix

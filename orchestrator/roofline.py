@@ -241,9 +241,9 @@ class StepTimeModel:
         return np.maximum(flops * T, weights + per_token * T)
 
     def features(self, tokens, context) -> np.ndarray:
-        """The step's feature row [1, linear, attention, LM head, T, extra calls] (`FEATURES`): one kernel call,
-        since the budget controller and the online refit price three steps per step (as array ops this was ~60 us a
-        call, ~4% of a cap-1 CPU step in all)."""
+        """The step's feature row [1, linear, attention, LM head, T, extra calls] (`FEATURES`) in one kernel call:
+        the budget controller and the online refit price two or three steps per step, and as array ops a row cost
+        ~60 us (~100 us inside a served run, ~0.2 ms of each cap-1 CPU step)."""
         tokens = np.ascontiguousarray(tokens, dtype=np.float64)
         context = np.ascontiguousarray(context, dtype=np.float64)
         if self.attention_layout == "grouped" and tokens.size > 1:  # the engine's planner decides the calls
