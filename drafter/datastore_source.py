@@ -134,32 +134,30 @@ def build_tries(rows, row_off, lens, node_off, tok, cnt, first, sib):
 
 
 @nb.njit(cache=True)
-def one_datastore_tries(tokens_tup, sa_tup, sep, P, plen, lengths, k, L, threshold):
-    """`DatastoreSource.lookup` against one datastore in one compiled call: `backoff_rows`, then each request's
-    count-trie (its rows come grouped, rounds in order). The array glue between the two kernels cost more than
-    either kernel (~120 us of a ~210 us lookup at batch 1, measured inside a served run, whose verify steps leave
-    the caches cold). Returns (tok, cnt, first, sib, roots [B, 1], match_len [B, 1], rounds [B, 1])."""
-    rows, owner, match_len, rounds = backoff_rows(tokens_tup, sa_tup, sep, P, plen, lengths, k, L, threshold)
-    B = P.shape[0]
-    row_off = np.zeros(B + 1, np.int64)
+def tries_of_rows(rows, owner, lens):
+    """Each group's count-trie (`build_tries`) of its rows: `owner[r]` is row r's group, the rows grouped and in
+    order, group g cut at `lens[g]` tokens. Returns (tok, cnt, first, sib, roots): group g's root node, -1 where
+    nothing was retrieved. One compiled call: as array operations around `build_tries`, this glue cost more than
+    the back-off search itself (~120 us of a ~210 us lookup at batch 1 inside a served run, whose verify steps
+    leave the caches cold)."""
+    G = lens.shape[0]
+    row_off = np.zeros(G + 1, np.int64)
     for r in range(owner.shape[0]):
         row_off[owner[r] + 1] += 1
-    node_off = np.zeros(B + 1, np.int64)
-    glens = np.empty(B, np.int64)
-    for b in range(B):
-        glens[b] = lengths[b]
-        node_off[b + 1] = node_off[b] + row_off[b + 1] * glens[b] + 1
-        row_off[b + 1] += row_off[b]
-    n = node_off[B]
+    node_off = np.zeros(G + 1, np.int64)
+    for g in range(G):
+        node_off[g + 1] = node_off[g] + row_off[g + 1] * lens[g] + 1
+        row_off[g + 1] += row_off[g]
+    n = node_off[G]
     tok = np.empty(n, np.int32)
     cnt = np.empty(n, np.int32)
     first = np.empty(n, np.int32)
     sib = np.empty(n, np.int32)
-    build_tries(rows, row_off, glens, node_off, tok, cnt, first, sib)
-    roots = np.empty((B, 1), np.int64)
-    for b in range(B):
-        roots[b, 0] = node_off[b] if cnt[node_off[b]] > 0 else -1
-    return tok, cnt, first, sib, roots, match_len.reshape(B, 1), rounds.reshape(B, 1)
+    build_tries(rows, row_off, lens, node_off, tok, cnt, first, sib)
+    roots = np.empty(G, np.int64)
+    for g in range(G):
+        roots[g] = node_off[g] if cnt[node_off[g]] > 0 else -1
+    return tok, cnt, first, sib, roots
 
 
 @dataclass(frozen=True, eq=False)
@@ -219,12 +217,6 @@ class DatastoreSource:
             plen[b] = p.shape[0]
             if p.shape[0]:
                 P[b, q - p.shape[0] :] = p
-        if K == 1:
-            tokens, sas, sep = self.datastores[0].kernel_arrays()
-            tok, cnt, first, sib, roots, match_len, rounds = one_datastore_tries(
-                tokens, sas, sep, P, plen, lengths, self.samples, L, self.threshold)
-            return DatastoreCandidates(tok=tok, cnt=cnt, first=first, sib=sib, roots=roots, match_len=match_len,
-                                       rounds=rounds)
         rows_all, owner_all = [], []
         match_len = np.zeros((B, K), np.int32)
         rounds = np.zeros((B, K), np.int32)
@@ -234,33 +226,14 @@ class DatastoreSource:
                 tokens, sas, sep, P, plen, lengths, self.samples, L, self.threshold)
             rows_all.append(rows)
             owner_all.append(owner + k * B)
-        G = B * K
         if len(rows_all) == 1:  # one datastore: rows already come grouped per request, rounds in order
             rows, owner = rows_all[0], owner_all[0]
-            per_group = np.bincount(owner, minlength=G)
         elif rows_all:
-            rows = np.concatenate(rows_all)
             owner = np.concatenate(owner_all)
             order = np.argsort(owner, kind="stable")  # group rows per (datastore, request), rounds in order
-            rows = np.ascontiguousarray(rows[order])
-            per_group = np.bincount(owner, minlength=G)
+            rows, owner = np.ascontiguousarray(np.concatenate(rows_all)[order]), owner[order]
         else:
-            rows = np.full((0, L), -1, np.int32)
-            per_group = np.zeros(G, np.int64)
-        row_off = np.zeros(G + 1, np.int64)
-        np.cumsum(per_group, out=row_off[1:])
-        glens = np.tile(lengths, K).astype(np.int64)
-        node_off = np.zeros(G + 1, np.int64)
-        np.cumsum(per_group * glens + 1, out=node_off[1:])
-        N = int(node_off[-1])
-        tok = np.empty(N, np.int32)
-        cnt = np.empty(N, np.int32)
-        first = np.empty(N, np.int32)
-        sib = np.empty(N, np.int32)
-        if G:
-            build_tries(rows, row_off, glens, node_off, tok, cnt, first, sib)
-        roots = node_off[:-1].reshape(K, B).T.copy() if G else np.zeros((B, K), np.int64)
-        if G:
-            roots[cnt[roots] <= 0] = -1
-        return DatastoreCandidates(tok=tok, cnt=cnt, first=first, sib=sib, roots=roots, match_len=match_len,
-                                   rounds=rounds)
+            rows, owner = np.full((0, L), -1, np.int32), np.zeros(0, np.int64)
+        tok, cnt, first, sib, roots = tries_of_rows(rows, owner, np.tile(lengths, K).astype(np.int64))
+        return DatastoreCandidates(tok=tok, cnt=cnt, first=first, sib=sib, roots=roots.reshape(K, B).T.copy(),
+                                   match_len=match_len, rounds=rounds)

@@ -169,8 +169,8 @@ class StepTimeModel:
 
     # -- roofline terms (seconds), vectorised over the leading axis of their arguments ---------------------------
     # The budget controller prices a dozen candidate steps per step, so each operator's max(FLOPs / peak,
-    # bytes / bandwidth) is kept as seconds per token and per byte-constant (`_rates`, from the table in the module
-    # docstring): pricing is then a few array ops.
+    # bytes / bandwidth) is kept as seconds per token and per byte-constant (`_rate_table`, from the table in the
+    # module docstring) for the numba kernels below that price a step.
     def _compute_rates(self) -> None:
         s, e = self.shape, DTYPE_BYTES[self.dtype]
         peak, bw = self.hardware.flops(self.dtype), self.hardware.mem_bandwidth
@@ -180,21 +180,15 @@ class StepTimeModel:
         ops = [(2 * h * (hq + 2 * hkv), e * h * (hq + 2 * hkv), e * (h + hq + 2 * hkv)),  # QKV projection
                (2 * hq * h, e * hq * h, e * (hq + h)),  # O projection
                (6 * h * f, e * 3 * h * f, e * (2 * h + 3 * f))]  # MLP
-        self._linear_rates = [(flops / peak, weights / bw, per_token / bw) for flops, weights, per_token in ops]
-        self._allreduce_s_per_token = (2 * (2 * (s.tp - 1) / s.tp) * h * e / self.hardware.interconnect_bandwidth
-                                       if s.tp > 1 and self.hardware.interconnect_bandwidth > 0 else 0.0)
-        self._lm_head_rates = (2 * h * v / peak, e * v * h / bw, e * (h + v) / bw)
+        linear_rates = [(flops / peak, weights / bw, per_token / bw) for flops, weights, per_token in ops]
+        allreduce_s_per_token = (2 * (2 * (s.tp - 1) / s.tp) * h * e / self.hardware.interconnect_bandwidth
+                                 if s.tp > 1 and self.hardware.interconnect_bandwidth > 0 else 0.0)
+        lm_head_rates = (2 * h * v / peak, e * v * h / bw, e * (h + v) / bw)
         # attention, per layer: FLOPs 4 t (c + t) hq; bytes e (2 (c + t) hkv + 2 t hq)
         self._attention_rates = (4 * hq / peak, e * 2 * hkv / bw, e * 2 * hq / bw)
-        # the same rates as one array for `_prefix_features`: 3 linear operators, the all-reduce, LM head, attention
-        self._rate_table = np.array([*(r for rates in self._linear_rates for r in rates), self._allreduce_s_per_token,
-                                     *self._lm_head_rates, *self._attention_rates], dtype=np.float64)
-
-    def linear_seconds(self, total_tokens) -> np.ndarray:
-        T = np.asarray(total_tokens, dtype=np.float64)
-        per_layer = sum(np.maximum(flops * T, weights + per_token * T)
-                        for flops, weights, per_token in self._linear_rates)
-        return self.shape.n_layers * (per_layer + self._allreduce_s_per_token * T)  # two all-reduces of T x h (TP)
+        # the kernels' rate table: 3 linear operators, the all-reduce (two of T x h per layer, TP), LM head, attention
+        self._rate_table = np.array([*(r for rates in linear_rates for r in rates), allreduce_s_per_token,
+                                     *lm_head_rates, *self._attention_rates], dtype=np.float64)
 
     def attention_seconds(self, tokens, context) -> np.ndarray:
         """Per request (elementwise over `tokens`, `context`), all layers."""
@@ -210,20 +204,14 @@ class StepTimeModel:
 
     def extra_attention_calls(self, tokens, context) -> float:
         """Attention calls of one step beyond one per layer (only a "grouped" engine makes more than one)."""
-        if self.attention_layout != "grouped" or np.size(tokens) <= 1:
-            return 0.0
         return self._attention_terms(tokens, context)[1]
 
     def _attention_terms(self, tokens, context) -> tuple[float, float]:
-        t = np.asarray(tokens, dtype=np.float64)
-        c = np.asarray(context, dtype=np.float64)
+        t = np.ascontiguousarray(tokens, dtype=np.float64)
+        c = np.ascontiguousarray(context, dtype=np.float64)
         one_call = self.attention_layout == "padded" or self.attention_layout == "grouped" and t.size == 1
-        if one_call and t.size:
-            # one call (a lone request, or a padded batch): its deepest tree's rows over its longest context's keys
-            rows = t.max()
-            return float(t.size * self.attention_seconds(rows, (c + t).max() - rows)), 0.0
-        if self.attention_layout == "packed" or t.size == 0:
-            return float(self.attention_seconds(t, c).sum()), 0.0
+        if one_call or self.attention_layout == "packed" or t.size == 0:  # no calls to plan: one kernel prices it
+            return _batch_attention(self._rate_table, self.shape.n_layers, t, c, one_call), 0.0
         groups = plan_attention_groups(np.rint(t).astype(np.int64), np.rint(c + t).astype(np.int64),
                                        call_cost=self.attention_call_cost)
         # every request of a call: its deepest tree's query rows over its longest context's keys (one vectorised
@@ -235,23 +223,15 @@ class StepTimeModel:
         keys = np.maximum.reduceat((c + t)[members], starts)
         return float(sizes @ self.attention_seconds(rows, keys - rows)), float(self.shape.n_layers * (len(groups) - 1))
 
-    def lm_head_seconds(self, total_tokens) -> np.ndarray:
-        T = np.asarray(total_tokens, dtype=np.float64)
-        flops, weights, per_token = self._lm_head_rates
-        return np.maximum(flops * T, weights + per_token * T)
-
     def features(self, tokens, context) -> np.ndarray:
-        """The step's feature row [1, linear, attention, LM head, T, extra calls] (`FEATURES`) in one kernel call:
-        the budget controller and the online refit price two or three steps per step, and as array ops a row cost
-        ~60 us (~100 us inside a served run, ~0.2 ms of each cap-1 CPU step)."""
+        """The step's feature row [1, linear, attention, LM head, T, extra calls] (`FEATURES`), priced by the kernels
+        `_prefix_features` uses: the budget controller and the online refit price two or three steps per step, and
+        as array ops a row cost ~60 us (~100 us inside a served run, ~0.2 ms of each cap-1 CPU step)."""
         tokens = np.ascontiguousarray(tokens, dtype=np.float64)
-        context = np.ascontiguousarray(context, dtype=np.float64)
-        if self.attention_layout == "grouped" and tokens.size > 1:  # the engine's planner decides the calls
-            attention_s, extra_calls = self._attention_terms(tokens, context)
-        else:  # packed, padded, or a lone request (one call): priced in the kernel
-            attention_s, extra_calls = -1.0, 0.0
-        return _step_features(self._rate_table, self.shape.n_layers, tokens, context,
-                              self.attention_layout != "packed", attention_s, extra_calls)
+        attention_s, extra_calls = self._attention_terms(tokens, context)
+        row = np.empty(len(FEATURES))
+        _fill_features(self._rate_table, self.shape.n_layers, float(tokens.sum()), attention_s, extra_calls, row)
+        return row
 
     def prefix_seconds(self, context: np.ndarray, candidate_context: np.ndarray, candidate_rank: np.ndarray,
                        attention_calls: float) -> np.ndarray:
@@ -384,8 +364,8 @@ def _fill_features(rates, n_layers, total, attention, attention_calls, row):
 
 @nb.njit(cache=True)
 def _batch_attention(rates, n_layers, tokens, context, one_call):
-    """Attention seconds of a step: each request alone (packed), or, `one_call`, every request padded to the
-    deepest tree over the longest context (`StepTimeModel._attention_terms`)."""
+    """Attention seconds of a step: each request alone (packed), or, `one_call` (a padded batch, a lone request),
+    every request padded to the deepest tree over the longest context."""
     n = tokens.shape[0]
     if n == 0:
         return 0.0
@@ -399,19 +379,6 @@ def _batch_attention(rates, n_layers, tokens, context, one_call):
     for i in range(n):
         attention += _attention_one(rates, n_layers, tokens[i], context[i])
     return attention
-
-
-@nb.njit(cache=True)
-def _step_features(rates, n_layers, tokens, context, one_call, attention, attention_calls):
-    """`StepTimeModel.features`: `attention` < 0 prices the step's attention here (`_batch_attention`)."""
-    total = 0.0
-    for i in range(tokens.shape[0]):
-        total += tokens[i]
-    if attention < 0.0:
-        attention = _batch_attention(rates, n_layers, tokens, context, one_call)
-    row = np.empty(6)
-    _fill_features(rates, n_layers, total, attention, attention_calls, row)
-    return row
 
 
 def step_coefficients(values) -> np.ndarray:
