@@ -279,7 +279,7 @@ class BudgetController:
         if measured_s and measured_s > 0 and decision.no_speculation_step_s > 0:
             base = decision.no_speculation_step_s
             if decision.nodes.sum() == 0:
-                self.plain_scale = (1 - a) * self.plain_scale + a * float(np.clip(measured_s / base, 0.25, 4.0))
+                self.plain_scale = (1 - a) * self.plain_scale + a * min(max(measured_s / base, 0.25), 4.0)
                 # Only speculating steps measure the cost line, so a line made pessimistic by a burst of background
                 # load would otherwise stop speculation for good: it forgets toward its prior (the step-time model,
                 # itself refit online) while no step speculates, and the next probe measures again.
@@ -333,7 +333,7 @@ class BudgetController:
         b = len(trees)
         context = np.asarray(context, dtype=np.float64)
         ones = np.ones(b)
-        base_s = self.step_model.predict(ones, context)
+        base_s, plain_calls = self.step_model.plain_step(context)
         if self.policy.kind != "goodput":
             cap = self.draft_cap(b)
             pruned = [prune_tree(t, cap) for t in trees]
@@ -344,9 +344,10 @@ class BudgetController:
                                           node_sources=_node_sources(pruned))
 
         if not any(len(t) for t in trees):  # nothing drafted (drafting backed off, or found nothing): a plain step
-            return list(trees), self._plain_decision(context, base_s, request_ids)
+            return list(trees), self._plain_decision(context, base_s, plain_calls, request_ids)
         ceiling = self.node_ceiling(b)
         trees = [prune_tree(t, ceiling) for t in trees]
+        candidates = (_node_probs(trees), _node_depths(trees), _node_sources(trees))  # every node, request by request
         factors = self.request_factors(request_ids, b)
         draft_s = self.draft_s_per_request * b
         if remaining_steps is None:
@@ -355,12 +356,13 @@ class BudgetController:
             rate = ones if tokens_per_step is None else np.maximum(np.asarray(tokens_per_step, np.float64), 1.0)
             seconds = self._drain_token_seconds(np.asarray(remaining_steps, np.float64), rate, context, base_s)
             objective = _DrainTime(draft_s, seconds)
-        nodes, step_s, tokens, gain, chosen = self._goodput_nodes(trees, context, tpot_s, factors, objective, base_s)
+        nodes, step_s, tokens, gain, chosen, kept = self._goodput_nodes(trees, candidates, context, tpot_s, factors,
+                                                                        objective, base_s, plain_calls)
         pruned = [_keep_nodes(t, keep) for t, keep in zip(trees, chosen)]
+        probs, depths, sources = candidates
         return pruned, BudgetDecision(nodes, step_s, tokens, base_s, gain,
                                       request_ids=None if request_ids is None else tuple(request_ids),
-                                      node_probs=_node_probs(pruned), node_depths=_node_depths(pruned),
-                                      node_sources=_node_sources(pruned))
+                                      node_probs=probs[kept], node_depths=depths[kept], node_sources=sources[kept])
 
     def _drain_token_seconds(self, remaining_steps: np.ndarray, tokens_per_step: np.ndarray, context: np.ndarray,
                              base_s: float) -> np.ndarray:
@@ -375,7 +377,8 @@ class BudgetController:
         b = remaining_steps.shape[0]
         slowest = int(np.argmax(remaining_steps))
         step_b = self.plain_scale * base_s
-        step_1 = self.plain_scale * self.step_model.predict(np.ones(1), context[slowest:slowest + 1])
+        step_1 = step_b if b == 1 else self.plain_scale * self.step_model.predict(np.ones(1),
+                                                                                 context[slowest:slowest + 1])
         row = max(step_b - step_1, 0.0) / (b - 1) if b > 1 else 0.0
         fixed = max(step_1 - row, 0.0)
         # which request finishes last is uncertain: its steps left drift by about their square root as drafts hit
@@ -384,7 +387,8 @@ class BudgetController:
         last = np.exp((remaining_steps - remaining_steps[slowest]) / spread)
         return (row + fixed * last / last.sum()) / tokens_per_step
 
-    def _plain_decision(self, context: np.ndarray, base_s: float, request_ids: Sequence | None) -> BudgetDecision:
+    def _plain_decision(self, context: np.ndarray, base_s: float, plain_calls: float,
+                        request_ids: Sequence | None) -> BudgetDecision:
         """`_goodput_nodes`' answer when there is no candidate, without its machinery (half a millisecond per step
         before 9fe0ad3, a few hundred microseconds since, which a backed-off batch would pay for nothing): zero
         nodes, and the gain of a plain step that paid for drafting, `plain / (plain + drafting) - 1`."""
@@ -392,7 +396,6 @@ class BudgetController:
         grouped = self.step_model.attention_layout == "grouped"
         # the prefix curve's plain step: priced packed, which only a grouped layout prices differently from `predict`
         if grouped:
-            plain_calls = self.step_model.extra_attention_calls(np.ones(b), context)
             model_s = float(self._prefix_seconds(np.zeros(0, np.int64), np.zeros(0), context, plain_calls)[0])
         else:
             model_s = base_s
@@ -403,7 +406,11 @@ class BudgetController:
                               request_ids=None if request_ids is None else tuple(request_ids), node_probs=np.zeros(0),
                               node_depths=np.zeros(0, np.int32), node_sources=np.zeros(0, np.int16))
 
-    def _goodput_nodes(self, trees, context, tpot_s, factors, objective: "_Objective", plain_s):
+    def _goodput_nodes(self, trees, candidates, context, tpot_s, factors, objective: "_Objective", plain_s,
+                       plain_calls):
+        """The chosen nodes: per request their count, the step's predicted seconds and expected tokens, the gain,
+        each request's chosen node indices, and where the chosen nodes sit in `candidates` (the node arrays of
+        `trees`, request by request), in that order."""
         b = len(trees)
         model = self.step_model
         ones = np.ones(b)
@@ -412,8 +419,7 @@ class BudgetController:
         # scales a whole tree, so every prefix of this order holds whole trees (ties: parents first).
         sizes = np.array([len(t) for t in trees], dtype=np.int64)
         owner, parents = _batch_layout(sizes, np.concatenate([t.parents for t in trees] + [np.empty(0, np.int32)]))
-        values = self.recalibration.tree_values(_node_probs(trees), _node_depths(trees), parents,
-                                                _node_sources(trees))
+        values = self.recalibration.tree_values(candidates[0], candidates[1], parents, candidates[2])
         # a node's worth to the objective (`value`) orders them; `probs` stay the predictions
         owner, probs, value, index, rank_in_owner, cumulative = _order_candidates(
             owner, sizes, values, np.ascontiguousarray(factors, dtype=np.float64),
@@ -421,11 +427,10 @@ class BudgetController:
 
         # `gain` compares the result with plain decoding that drafts nothing, which steers the next steps' drafting.
         expected = objective.plain_worth + cumulative
-        plain_calls = model.extra_attention_calls(ones, context)
         model_s = self._prefix_seconds(owner, rank_in_owner, context, plain_calls)
         step_s = self._corrected(model_s)
         goodput = self._within_tpot(objective.score(expected, step_s), step_s, tpot_s)
-        k = int(np.argmax(goodput))  # first maximum: the fewest nodes that reach the best goodput
+        k = int(goodput.argmax())  # first maximum: the fewest nodes that reach the best goodput
         keep = np.arange(k)  # positions in `order` of the chosen nodes
         best = goodput[k]
         priced: dict[bytes, float] = {}  # grouped: model seconds by tokens per request (prefixes often agree on them)
@@ -466,10 +471,13 @@ class BudgetController:
             predicted_s = priced[key] if key in priced else model.predict(ones + nodes, context)
         if b == 1:  # a lone request (cap 1): its nodes as ranked, without a sort and split per step
             chosen = [index[keep]]
+            kept = np.sort(index[keep])
         else:
             by_owner = np.argsort(owner[keep], kind="stable")
             chosen = np.split(index[keep][by_owner], np.cumsum(nodes)[:-1])  # per request: its chosen node indices
-        return nodes, predicted_s, ones + expected_per_request, gain, chosen
+            starts = np.cumsum(sizes) - sizes
+            kept = np.sort(starts[owner[keep]] + index[keep])
+        return nodes, predicted_s, ones + expected_per_request, gain, chosen, kept
 
     def _prefix_seconds(self, owner: np.ndarray, rank_in_owner: np.ndarray, context: np.ndarray,
                         plain_calls: float) -> np.ndarray:
@@ -573,16 +581,23 @@ def _speculation_cost_line(sums: np.ndarray) -> tuple[float, float]:
     return min(intercept, 1.0), min(max(slope, 0.25), 8.0)
 
 
+def _end_to_end(arrays: list[np.ndarray], dtype) -> np.ndarray:
+    """Per-tree arrays laid end to end as `dtype`; a lone tree's own array, not a copy, where it already is one."""
+    if len(arrays) == 1 and arrays[0].dtype == dtype:
+        return arrays[0]
+    return np.concatenate(arrays + [np.empty(0, dtype)]).astype(dtype, copy=False)
+
+
 def _node_probs(trees: Sequence[DraftTree]) -> np.ndarray:
-    return np.concatenate([t.probs for t in trees] + [np.empty(0, np.float32)]).astype(np.float64)
+    return _end_to_end([t.probs for t in trees], np.float64)
 
 
 def _node_depths(trees: Sequence[DraftTree]) -> np.ndarray:
-    return np.concatenate([t.depth for t in trees] + [np.empty(0, np.int32)])
+    return _end_to_end([t.depth for t in trees], np.int32)
 
 
 def _node_sources(trees: Sequence[DraftTree]) -> np.ndarray:
-    return np.concatenate([t.source for t in trees] + [np.empty(0, np.int16)])
+    return _end_to_end([t.source for t in trees], np.int16)
 
 
 _kernels_ready = False  # set by the first controller of the process (`_warm_up_kernels`)

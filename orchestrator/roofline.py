@@ -132,6 +132,7 @@ class ModelShape:
 
 
 FEATURES = ("overhead", "linear", "attention", "lm_head", "tokens", "attention_calls")
+_ATTENTION_CALLS = FEATURES.index("attention_calls")
 ATTENTION_LAYOUTS = ("packed", "grouped", "padded")
 IRLS_PASSES = 6  # reweighted least-squares passes per fit (`StepTimeModel.fit_samples`); they settle within a few
 
@@ -242,15 +243,18 @@ class StepTimeModel:
         "padded": every request pays for the deepest tree over the longest context. Otherwise each request is priced
         alone (packed), with `attention_calls` extra attention calls whatever is added (the budget controller
         prices grouping separately)."""
-        padded = self.attention_layout == "padded"
-        context = np.asarray(context, dtype=np.float64)
-        plain_attention = 0.0 if padded else _batch_attention(self._rate_table, self.shape.n_layers,
-                                                              np.ones(context.shape[0]), context, False)
-        features = _prefix_features(self._rate_table, self.shape.n_layers, context.shape[0], padded,
-                                    float((context + 1).max(initial=1.0)), plain_attention, float(attention_calls),
+        features = _prefix_features(self._rate_table, self.shape.n_layers,
+                                    np.ascontiguousarray(context, dtype=np.float64),
+                                    self.attention_layout == "padded", float(attention_calls),
                                     np.ascontiguousarray(candidate_context, dtype=np.float64),
                                     np.ascontiguousarray(candidate_rank, dtype=np.float64))
         return features @ self.coefficients
+
+    def plain_step(self, context) -> tuple[float, float]:
+        """Predicted seconds of a plain decoding step (one token per request over `context`) and its attention calls
+        beyond one per layer, from one feature row (the budget controller needs both on every step)."""
+        row = self.features(np.ones(len(context)), context)
+        return float(row @ self.coefficients), float(row[_ATTENTION_CALLS])
 
     def predict(self, tokens, context) -> float:
         """Predicted seconds for one step; `tokens[i]` new tokens of request i over `context[i]` cached ones."""
@@ -326,13 +330,18 @@ def _attention_one(rates, n_layers, tokens, context):
 
 
 @nb.njit(cache=True)
-def _prefix_features(rates, n_layers, batch, padded, longest_keys, plain_attention, attention_calls,
-                     candidate_context, candidate_rank):
+def _prefix_features(rates, n_layers, context, padded, attention_calls, candidate_context, candidate_rank):
     """Feature rows [1, linear, attention, LM head, T, extra calls] of `StepTimeModel.prefix_seconds`' steps."""
     n = candidate_context.shape[0]
+    batch = context.shape[0]
     features = np.empty((n + 1, 6))
-    attention = plain_attention
-    rows, keys = 1.0, longest_keys
+    # the plain step: its longest keys (padded) or each request's one row priced alone (`_batch_attention`'s sum)
+    attention, keys = 0.0, 1.0
+    for i in range(batch):
+        keys = max(keys, context[i] + 1)
+        if not padded:
+            attention += _attention_one(rates, n_layers, 1.0, context[i])
+    rows = 1.0
     for k in range(n + 1):
         total = batch + float(k)
         if k > 0:

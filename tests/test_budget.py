@@ -347,6 +347,48 @@ def test_recalibrated_trees_stay_trees(observations, nodes):
     assert values[kept].min(initial=1.0) >= np.delete(values, kept).max(initial=0.0)  # the best nodes are kept
 
 
+def test_recalibration_ratios_shrink_each_cell_toward_its_bin_and_bucket():
+    # The documented shrinkage (`OnlineRecalibration.ratios`), written as array operations: each probability bin's
+    # ratio over every bucket, each bucket's factor against what those ratios expect of it, and each cell shrunk
+    # toward their product by its prior pseudo-nodes.
+    recalibration = OnlineRecalibration()
+    rng = np.random.default_rng(3)
+    for _ in range(60):
+        probs = rng.uniform(0, 1, 30)
+        recalibration.observe(probs, rng.integers(1, 9, 30), rng.random(30) < probs ** 1.5, rng.integers(0, 3, 30))
+    predicted, realized, prior = recalibration._predicted, recalibration._realized, recalibration._prior
+    by_bin = (realized.sum(axis=0) + prior) / (predicted.sum(axis=0) + prior)
+    bucket_factor = (realized.sum(axis=1) + 10.0) / (predicted @ by_bin + 10.0)
+    expected = (realized + prior * by_bin * bucket_factor[:, None]) / (predicted + prior)
+    np.testing.assert_allclose(recalibration.ratios, expected, rtol=1e-12)
+    assert recalibration.ratios.shape == predicted.shape and np.all(recalibration.ratios > 0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.integers(0, 1000), st.floats(0.05, 1.0), st.integers(0, 2)), min_size=0,
+                         max_size=12), min_size=1, max_size=6),
+       st.sampled_from(["packed", "grouped", "padded"]))
+def test_a_goodput_decision_lists_exactly_the_nodes_it_sends(batch, layout):
+    # The decision's per-node arrays (what `observe` learns from) are the sent trees' nodes, request by request in
+    # tree order, whatever the allocation chose.
+    trees = []
+    for nodes in batch:
+        parents = np.array([seed % (i + 1) - 1 for i, (seed, _, _) in enumerate(nodes)], np.int32)
+        probs = np.empty(len(nodes))
+        for i, (_, factor, _) in enumerate(nodes):
+            probs[i] = factor * (probs[parents[i]] if parents[i] >= 0 else 1.0)
+        trees.append(DraftTree.from_arrays(tokens=np.arange(len(nodes)), parents=parents, probs=probs,
+                                           source=np.array([src for _, _, src in nodes], np.int16)))
+    model = StepTimeModel(SMOLLM2, KNOWN_HARDWARE["H100-SXM"], attention_layout=layout)
+    controller = BudgetController(BudgetPolicy.parse("goodput"), model)
+    pruned, decision = controller.allocate(trees, np.full(len(trees), 300.0))
+    assert decision.nodes.tolist() == [len(t) for t in pruned]
+    np.testing.assert_array_equal(decision.node_probs, np.concatenate([t.probs for t in pruned] + [[]]))
+    np.testing.assert_array_equal(decision.node_depths, np.concatenate([t.depth for t in pruned] + [[]]))
+    np.testing.assert_array_equal(decision.node_sources, np.concatenate([t.source for t in pruned] + [[]]))
+    assert decision.node_probs.dtype == np.float64 and decision.node_sources.dtype == np.int16
+
+
 def test_a_draining_offline_batch_speculates_for_its_slowest_request():
     # The batch is done when its slowest request is: nodes for a request that will finish long before it only make
     # the shared steps slower.
