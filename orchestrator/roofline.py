@@ -335,13 +335,11 @@ def _prefix_features(rates, n_layers, context, padded, attention_calls, candidat
     n = candidate_context.shape[0]
     batch = context.shape[0]
     features = np.empty((n + 1, 6))
-    # the plain step: its longest keys (padded) or each request's one row priced alone (`_batch_attention`'s sum)
-    attention, keys = 0.0, 1.0
+    # the plain step: its longest keys (padded), or each request's one row priced alone
+    attention = 0.0 if padded else _batch_attention(rates, n_layers, np.ones(batch), context, False)
+    rows, keys = 1.0, 1.0
     for i in range(batch):
         keys = max(keys, context[i] + 1)
-        if not padded:
-            attention += _attention_one(rates, n_layers, 1.0, context[i])
-    rows = 1.0
     for k in range(n + 1):
         total = batch + float(k)
         if k > 0:
