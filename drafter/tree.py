@@ -46,7 +46,9 @@ class DraftTree:
 
     @classmethod
     def empty(cls) -> "DraftTree":
-        return cls.from_arrays(tokens=[], parents=[])
+        """The tree of no nodes: one shared, read-only instance (a step that speculates on nothing gives every request
+        one, and building it cost ~27 us: ~0.4 ms of a plain batch-16 step on the CPU)."""
+        return _EMPTY_TREE
 
     @classmethod
     def from_arrays(cls, *, tokens, parents, probs=None, source=None) -> "DraftTree":
@@ -212,6 +214,16 @@ class DraftTree:
             path.append(node)
             node = int(self.parents[node])
         return np.asarray(path[::-1], dtype=np.int32)
+
+
+def _read_only_empty_tree() -> DraftTree:
+    tree = DraftTree.from_arrays(tokens=[], parents=[])
+    for array in (tree.tokens, tree.parents, tree.probs, tree.depth, tree.source):
+        array.flags.writeable = False
+    return tree
+
+
+_EMPTY_TREE = _read_only_empty_tree()
 
 
 @nb.njit(cache=True)

@@ -363,6 +363,45 @@ def test_drafter_timeout_falls_back_and_never_races_the_late_call(engine, datast
         make_orchestrator(engine, datastore, "fixed:8", draft_timeout_s=0)
 
 
+class WatchedDrafter(Drafter):
+    """A real drafter that checks, at each draft call, that it has indexed each request's prompt + output so far
+    (`expected`, set by the test), and counts the calls that give it tokens."""
+
+    expected = None  # request id -> the tokens the drafter should have indexed for it by now
+    checks, extends = [], 0
+
+    def draft(self, batch):
+        if self.expected is not None:
+            self.checks.append(all(self.input_index.tokens(rid).tolist() == self.expected(rid) for rid, _ in batch))
+        return super().draft(batch)
+
+    def extend(self, request_id, accepted_ids):
+        self.extends += 1
+        return super().extend(request_id, accepted_ids)
+
+
+@pytest.mark.parametrize("policy", ["fixed:4", "none"])
+def test_the_drafter_sees_every_token_when_it_drafts_and_whole_outputs_when_requests_finish(
+        engine, datastore, prompt_ids, reference, policy):
+    drafter = WatchedDrafter(DrafterConfig(), datastores=[datastore])
+    orchestrator = make_orchestrator(engine, datastore, policy, drafter=drafter, max_running=3)
+    prompts = {f"q{i}": list(p) for i, p in enumerate(prompt_ids)}
+    streamed: dict[str, list[int]] = {rid: [] for rid in prompts}
+    drafter.checks, drafter.extends = [], 0
+    drafter.expected = lambda rid: prompts[rid] + streamed[rid]
+    for rid, p in prompts.items():
+        orchestrator.submit(GenerationRequest(prompt_ids=p, max_tokens=24),
+                            lambda out: streamed[out.request_id].extend(out.token_ids), request_id=rid)
+    orchestrator.run_until_idle(max_steps=2000)
+    assert [streamed[rid] for rid in prompts] == reference
+    # the output history holds every finished request's whole output, its last step's tokens included
+    assert sorted(map(tuple, drafter.input_index.history())) == sorted(map(tuple, reference))
+    if policy == "none":  # plain decoding gives the drafter nothing until a request finishes
+        assert drafter.checks == [] and drafter.extends == len(prompts)
+    else:
+        assert len(drafter.checks) > 10 and all(drafter.checks)
+
+
 def test_bad_requests_are_refused_and_change_nothing(engine, datastore, prompt_ids):
     orchestrator = make_orchestrator(engine, datastore, "goodput")
     with pytest.raises(ValueError, match="empty"):

@@ -52,6 +52,10 @@ def test_docstring_example():
 def test_chain_and_empty():
     assert DraftTree.chain([3, 4, 5]).parents.tolist() == [-1, 0, 1]
     assert len(DraftTree.empty()) == 0 and DraftTree.empty().attention_mask().tolist() == [[True]]
+    empty = DraftTree.empty()  # one shared instance: nothing may write to it
+    for array in (empty.tokens, empty.parents, empty.probs, empty.depth, empty.source):
+        with pytest.raises(ValueError, match="read-only"):
+            array[...] = 0
 
 
 @pytest.mark.parametrize("parents", [[0], [-1, 1], [1, 0], [-2]], ids=["self", "self2", "cycle", "below-root"])
