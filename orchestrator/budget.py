@@ -148,15 +148,12 @@ class BudgetDecision:
     node_sources: np.ndarray | None = None  # and their drafter sources (0: the request's own index), same order
 
 
-_EMPTY_TREE = DraftTree.empty()
-
-
 def prune_tree(tree: DraftTree, n: int) -> DraftTree:
     """The `n` most probable nodes of `tree` (ties: lower index), parents-first; always a valid tree."""
     if n >= len(tree):
         return tree
     if n <= 0:
-        return _EMPTY_TREE
+        return DraftTree.empty()
     if tree.probs[:n].min() >= tree.probs[n:].max():
         # the drafter's usual order (most probable first): the first n nodes are the n best, ties to the lower index
         return tree.prefix(n)
@@ -170,7 +167,7 @@ def _keep_nodes(tree: DraftTree, keep: np.ndarray) -> DraftTree:
     if n == len(tree):
         return tree
     if n == 0:
-        return _EMPTY_TREE
+        return DraftTree.empty()
     keep = np.sort(keep)
     return tree.prefix(n) if keep[-1] == n - 1 else tree.subtree(keep)  # the first n nodes: the usual case
 
@@ -356,9 +353,12 @@ class BudgetController:
             rate = ones if tokens_per_step is None else np.maximum(np.asarray(tokens_per_step, np.float64), 1.0)
             seconds = self._drain_token_seconds(np.asarray(remaining_steps, np.float64), rate, context, base_s)
             objective = _DrainTime(draft_s, seconds)
-        nodes, step_s, tokens, gain, chosen, kept = self._goodput_nodes(trees, candidates, context, tpot_s, factors,
-                                                                        objective, base_s, plain_calls)
-        pruned = [_keep_nodes(t, keep) for t, keep in zip(trees, chosen)]
+        nodes, step_s, tokens, gain, kept = self._goodput_nodes(trees, candidates, context, tpot_s, factors,
+                                                                objective, base_s, plain_calls)
+        # `kept` is sorted and the trees lie end to end, so each request's share is one run of it
+        starts = np.cumsum([0] + [len(t) for t in trees[:-1]])
+        pruned = [_keep_nodes(t, run - start)
+                  for t, run, start in zip(trees, np.split(kept, np.cumsum(nodes)[:-1]), starts)]
         probs, depths, sources = candidates
         return pruned, BudgetDecision(nodes, step_s, tokens, base_s, gain,
                                       request_ids=None if request_ids is None else tuple(request_ids),
@@ -408,9 +408,9 @@ class BudgetController:
 
     def _goodput_nodes(self, trees, candidates, context, tpot_s, factors, objective: "_Objective", plain_s,
                        plain_calls):
-        """The chosen nodes: per request their count, the step's predicted seconds and expected tokens, the gain,
-        each request's chosen node indices, and where the chosen nodes sit in `candidates` (the node arrays of
-        `trees`, request by request), in that order."""
+        """The chosen nodes: per request their count, the step's predicted seconds and expected tokens, the gain, and
+        where the chosen nodes sit in `candidates` (the node arrays of `trees`, request by request; sorted), in
+        that order."""
         b = len(trees)
         model = self.step_model
         ones = np.ones(b)
@@ -469,15 +469,9 @@ class BudgetController:
         else:  # the grouped comparisons may have priced it already
             key = (ones + nodes).tobytes()
             predicted_s = priced[key] if key in priced else model.predict(ones + nodes, context)
-        if b == 1:  # a lone request (cap 1): its nodes as ranked, without a sort and split per step
-            chosen = [index[keep]]
-            kept = np.sort(index[keep])
-        else:
-            by_owner = np.argsort(owner[keep], kind="stable")
-            chosen = np.split(index[keep][by_owner], np.cumsum(nodes)[:-1])  # per request: its chosen node indices
-            starts = np.cumsum(sizes) - sizes
-            kept = np.sort(starts[owner[keep]] + index[keep])
-        return nodes, predicted_s, ones + expected_per_request, gain, chosen, kept
+        starts = np.cumsum(sizes) - sizes
+        kept = np.sort(starts[owner[keep]] + index[keep])
+        return nodes, predicted_s, ones + expected_per_request, gain, kept
 
     def _prefix_seconds(self, owner: np.ndarray, rank_in_owner: np.ndarray, context: np.ndarray,
                         plain_calls: float) -> np.ndarray:

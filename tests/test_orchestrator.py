@@ -367,8 +367,9 @@ class WatchedDrafter(Drafter):
     """A real drafter that checks, at each draft call, that it has indexed each request's prompt + output so far
     (`expected`, set by the test), and counts the calls that give it tokens."""
 
-    expected = None  # request id -> the tokens the drafter should have indexed for it by now
-    checks, extends = [], 0
+    expected = None  # request id -> the tokens the drafter should have indexed for it by now (the test sets it,
+    checks = None    # with the list each draft call's check goes to)
+    extends = 0
 
     def draft(self, batch):
         if self.expected is not None:
