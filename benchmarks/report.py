@@ -29,10 +29,10 @@ from benchmarks.plotting import panels_by_set
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-NAMES = ("datastore", "verify_cost", "linear_rows", "cpu_attention", "attention_calls", "acceptance", "draft_batch",
-         "throughput", "throughput_avx2", "batch_invariance", "prefix_cache", "chunked_prefill", "serving",
-         "serving_avx2", "thread_pools", "compile_time", "simulator_validation", "projection", "gpu_verify_cost",
-         "gpu_orchestrator")
+NAMES = ("datastore", "verify_cost", "linear_rows", "cpu_attention", "prefill_attention", "attention_calls",
+         "acceptance", "draft_batch", "throughput", "throughput_avx2", "batch_invariance", "prefix_cache",
+         "chunked_prefill", "serving", "serving_avx2", "thread_pools", "compile_time", "simulator_validation",
+         "projection", "gpu_verify_cost", "gpu_orchestrator")
 BEGIN, END = "<!-- headline:begin -->", "<!-- headline:end -->"
 
 

@@ -287,6 +287,27 @@ def test_tree_attention_reading_the_pool_gives_the_bits_of_widened_copies(parent
     assert np.array_equal(from_pool.view(np.uint32), from_copies.view(np.uint32))
 
 
+@HYP
+@given(parents=trees, context=st.integers(0, 300), prefill=st.integers(1, 40), seed=st.integers(0, 2**16))
+def test_rows_that_see_one_run_of_keys_skip_the_mask_with_the_same_bits(parents, context, prefill, seed):
+    # A row that sees every new token of its segment up to the last one it sees (a causal prefill's rows, a
+    # chain's) reads its keys as one run instead of through the mask (`TreeAttentionLayout.one_run`): the same
+    # keys in the same order, so the same bits as the masked path, which every row takes with `mask_every_row`.
+    rng = np.random.default_rng(seed)
+    _, _, k_bits, v_bits = _paged(rng, 3, 1024, 64)
+    pool = rng.permutation(1024)
+    masks = [np.tril(np.ones((prefill, prefill), bool)), _tree_mask(parents)]
+    segments = [(0, 0, pool[:prefill], masks[0]),
+                (prefill, context, pool[prefill:prefill + context + len(parents) + 1], masks[1])]
+    layout = TreeAttentionLayout(segments)
+    want = [all(row[:np.flatnonzero(row).max() + 1]) for mask in masks for row in mask]
+    assert layout.one_run.tolist() == [int(w) for w in want]
+    q = bf16_bits(_bf16(rng, prefill + len(parents) + 1, 9, 64))
+    one_run = tree_attention_bits(q, k_bits, v_bits, layout, fp32_out=True)
+    masked = tree_attention_bits(q, k_bits, v_bits, layout, fp32_out=True, mask_every_row=True)
+    assert np.array_equal(one_run.view(np.uint32), masked.view(np.uint32))
+
+
 def test_tree_attention_does_not_depend_on_the_thread_count():
     # A request's three KV heads' rows are shared out in equal runs per thread (`TreeAttentionLayout.tasks`), so
     # the thread count decides which task computes a row, and must change none of its bits. One thread runs
