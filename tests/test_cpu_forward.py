@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trt_engines.cpu_forward import (FusedCpuDecoder, add_rms_norm, residual_add, rms_norm, rope_and_store,
-                                     silu_and_mul)
+from trt_engines.cpu_forward import (PARALLEL_ELEMENTS, FusedCpuDecoder, add_rms_norm, residual_add, rms_norm,
+                                     rope_and_store, row_parts, silu_and_mul)
 from trt_engines.cpu_kernels import bf16_bits
 from trt_engines.llama import RMSNorm, Transformer, apply_rope
 from trt_engines.prepare import default_model_dir, is_complete
@@ -97,6 +97,39 @@ def test_rows_do_not_depend_on_the_batch(rows, row, seed):
     silu_and_mul(gate_up, act)
     silu_and_mul(gate_up[row:row + 1].copy(), act_alone)
     assert np.array_equal(act[row], act_alone[0])
+
+
+@HYP
+@given(rows=st.integers(1, 80), parts=st.integers(2, 4), seed=st.integers(0, 2**32 - 1))
+def test_rows_cut_into_parts_across_threads_come_out_as_in_one_pass(rows, parts, seed):
+    # From PARALLEL_ELEMENTS elements on (a prefill, a large batch's verify step) the row-wise operators share the rows out
+    # in parts across numba's threads: each row must get the bits the single pass gives it, or a token's logits
+    # would depend on the batch it is verified in.
+    rng = np.random.default_rng(seed)
+    heads, kv_heads, dim, width, inner = 9, 3, 64, 576, 256
+    x, delta = bf16_bits(_bf16(rng, rows, width, scale=3.0)), bf16_bits(_bf16(rng, rows, width, scale=3.0))
+    weight = np.abs(rng.standard_normal(width)).astype(np.float32) + 0.5
+    qkv = bf16_bits(_bf16(rng, rows, (heads + 2 * kv_heads) * dim, scale=3.0))
+    angles = rng.uniform(0, 100, (rows, dim)).astype(np.float32)
+    cos, sin = np.cos(angles), np.sin(angles)
+    slots = rng.permutation(rows + 7)[:rows].astype(np.int64)
+    gate_up = bf16_bits(_bf16(rng, rows, 2 * inner, scale=3.0))
+
+    def run(n: int) -> list[np.ndarray]:
+        normed, residual, after_add = np.empty_like(x), x.copy(), np.empty_like(x)
+        rms_norm(x, weight, np.float32(1e-6), normed, n)
+        add_rms_norm(residual, delta, weight, np.float32(1e-6), after_add, n)
+        q = np.empty((rows, heads, dim), np.uint16)
+        k_pool, v_pool = np.zeros((kv_heads, rows + 7, dim), np.uint16), np.zeros((kv_heads, rows + 7, dim), np.uint16)
+        rope_and_store(qkv, cos, sin, heads, kv_heads, q, k_pool, v_pool, slots, n)
+        act = np.empty((rows, inner), np.uint16)
+        silu_and_mul(gate_up, act, n)
+        return [normed, residual, after_add, q, k_pool, v_pool, act]
+
+    for one_pass, in_parts in zip(run(1), run(parts)):
+        assert np.array_equal(one_pass, in_parts)
+    assert row_parts(1, PARALLEL_ELEMENTS - 1, 2) == 1 and row_parts(2, PARALLEL_ELEMENTS // 2, 4) == 2
+    assert row_parts(500, 576, 1) == 1
 
 
 def test_refuses_models_it_cannot_run():

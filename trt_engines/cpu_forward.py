@@ -26,7 +26,7 @@ from typing import Callable
 import numba
 import numpy as np
 import torch
-from numba import njit
+from numba import njit, prange
 from torch import Tensor
 
 from trt_engines.cpu_kernels import (_CACHE, _EXP_CEIL, _EXP_FLOOR, _FASTMATH, Bf16Linear, TreeAttentionLayout,
@@ -62,14 +62,31 @@ def _norm_row(h, weight, eps, normed, t, scratch):
         normed[t, k] = _round_bf16(wide[k])
 
 
-@njit(fastmath=_FASTMATH, boundscheck=False, cache=_CACHE)
-def rms_norm(x, weight, eps, normed):
-    """normed <- RMSNorm(x) * weight: bf16 bits [T, K], weight [K] fp32."""
+@njit(inline="always")
+def _part(rows, parts, p):
+    """Rows [start, stop) of part p when `rows` rows are cut into `parts` parts of near-equal size."""
+    return p * rows // parts, (p + 1) * rows // parts
+
+
+@njit(inline="always")
+def _rms_norm_rows(x, weight, eps, normed, start, stop):
     h = np.empty(x.shape[1], np.float32)
     scratch = np.empty(x.shape[1], np.float32)
-    for t in range(x.shape[0]):
+    for t in range(start, stop):
         _widened_row(x, t, h)
         _norm_row(h, weight, eps, normed, t, scratch)
+
+
+@njit(parallel=True, fastmath=_FASTMATH, boundscheck=False, cache=_CACHE)
+def rms_norm(x, weight, eps, normed, parts=1):
+    """normed <- RMSNorm(x) * weight: bf16 bits [T, K], weight [K] fp32. `parts` > 1: the rows in that many parts
+    across numba's threads (`row_parts`); each row is computed alike either way."""
+    if parts == 1:
+        _rms_norm_rows(x, weight, eps, normed, 0, x.shape[0])
+    else:
+        for p in prange(parts):
+            start, stop = _part(x.shape[0], parts, p)
+            _rms_norm_rows(x, weight, eps, normed, start, stop)
 
 
 @njit(inline="always")
@@ -85,16 +102,26 @@ def _add_row(x, delta, t, h, d):
         wide[k] = _widen(x[t, k])
 
 
-@njit(fastmath=_FASTMATH, boundscheck=False, cache=_CACHE)
-def add_rms_norm(x, delta, weight, eps, normed):
-    """x <- x + delta (the residual add, rounded to bf16), then normed <- RMSNorm(x) * weight: bf16 bits [T, K],
-    weight [K] fp32."""
+@njit(inline="always")
+def _add_rms_norm_rows(x, delta, weight, eps, normed, start, stop):
     h = np.empty(x.shape[1], np.float32)
     d = np.empty(x.shape[1], np.float32)
     scratch = np.empty(x.shape[1], np.float32)
-    for t in range(x.shape[0]):
+    for t in range(start, stop):
         _add_row(x, delta, t, h, d)
         _norm_row(h, weight, eps, normed, t, scratch)
+
+
+@njit(parallel=True, fastmath=_FASTMATH, boundscheck=False, cache=_CACHE)
+def add_rms_norm(x, delta, weight, eps, normed, parts=1):
+    """x <- x + delta (the residual add, rounded to bf16), then normed <- RMSNorm(x) * weight: bf16 bits [T, K],
+    weight [K] fp32; `parts` as in `rms_norm`."""
+    if parts == 1:
+        _add_rms_norm_rows(x, delta, weight, eps, normed, 0, x.shape[0])
+    else:
+        for p in prange(parts):
+            start, stop = _part(x.shape[0], parts, p)
+            _add_rms_norm_rows(x, delta, weight, eps, normed, start, stop)
 
 
 @njit(boundscheck=False, cache=_CACHE)
@@ -106,11 +133,8 @@ def residual_add(x, delta):
         _add_row(x, delta, t, h, d)
 
 
-@njit(boundscheck=False, cache=_CACHE)
-def rope_and_store(qkv, cos, sin, n_heads, n_kv_heads, q, k_pool, v_pool, slots):
-    """Split the fused q/k/v projection `qkv` [T, (H + 2 KV) D] (bf16 bits), rotate q and k (`llama.apply_rope`:
-    fp32, x cos + rotate_half(x) sin, one rounding), write q [T, H, D] and each token's k and v into its flat slot
-    `slots[t]` of the layer's pools [KV, slots, D]. No multiply-add is fused here (no fastmath): bitwise PyTorch's."""
+@njit(inline="always")
+def _rope_rows(qkv, cos, sin, n_heads, n_kv_heads, q, k_pool, v_pool, slots, start, stop):
     dim = q.shape[2]
     half = dim // 2
     heads = n_heads + n_kv_heads
@@ -118,7 +142,7 @@ def rope_and_store(qkv, cos, sin, n_heads, n_kv_heads, q, k_pool, v_pool, slots)
     rotated = np.empty((heads, dim), np.float32)
     wide = x.view(np.uint32).reshape(heads * dim)
     out = rotated.view(np.uint32)
-    for t in range(qkv.shape[0]):
+    for t in range(start, stop):
         for j in range(heads * dim):
             wide[j] = _widen(qkv[t, j])
         for head in range(heads):
@@ -136,19 +160,29 @@ def rope_and_store(qkv, cos, sin, n_heads, n_kv_heads, q, k_pool, v_pool, slots)
                 v_pool[kv, slots[t], d] = qkv[t, (heads + kv) * dim + d]
 
 
-@njit(fastmath=_FASTMATH, boundscheck=False, error_model="numpy", cache=_CACHE)
-def silu_and_mul(gate_up, out):
-    """out <- silu(gate) * up, gate and up the halves of `gate_up` [T, 2 I] (bf16 bits): SiLU in fp32,
-    gate / (1 + exp(-gate)), rounded (PyTorch's bf16 `F.silu`), then the product rounded. exp is Cephes' expf (as in
-    the attention's softmax) rather than the C library's, so that the loop vectorises (the C library's is a call per
-    element)."""
+@njit(parallel=True, boundscheck=False, cache=_CACHE)
+def rope_and_store(qkv, cos, sin, n_heads, n_kv_heads, q, k_pool, v_pool, slots, parts=1):
+    """Split the fused q/k/v projection `qkv` [T, (H + 2 KV) D] (bf16 bits), rotate q and k (`llama.apply_rope`:
+    fp32, x cos + rotate_half(x) sin, one rounding), write q [T, H, D] and each token's k and v into its flat slot
+    `slots[t]` of the layer's pools [KV, slots, D]. No multiply-add is fused here (no fastmath): bitwise PyTorch's.
+    `parts` as in `rms_norm`."""
+    if parts == 1:
+        _rope_rows(qkv, cos, sin, n_heads, n_kv_heads, q, k_pool, v_pool, slots, 0, qkv.shape[0])
+    else:
+        for p in prange(parts):
+            start, stop = _part(qkv.shape[0], parts, p)
+            _rope_rows(qkv, cos, sin, n_heads, n_kv_heads, q, k_pool, v_pool, slots, start, stop)
+
+
+@njit(inline="always")
+def _silu_rows(gate_up, out, start, stop):
     inner = out.shape[1]
     g = np.empty(inner, np.float32)
     u = np.empty(inner, np.float32)
     power = np.empty(inner, np.float32)
     e = np.empty(inner, np.float32)
     gw, uw, power_bits = g.view(np.uint32), u.view(np.uint32), power.view(np.uint32)
-    for t in range(gate_up.shape[0]):
+    for t in range(start, stop):
         for j in range(inner):
             gw[j] = _widen(gate_up[t, j])
             uw[j] = _widen(gate_up[t, inner + j])
@@ -170,6 +204,34 @@ def silu_and_mul(gate_up, out):
             out[t, j] = _round_bf16(gw[j])
 
 
+@njit(parallel=True, fastmath=_FASTMATH, boundscheck=False, error_model="numpy", cache=_CACHE)
+def silu_and_mul(gate_up, out, parts=1):
+    """out <- silu(gate) * up, gate and up the halves of `gate_up` [T, 2 I] (bf16 bits): SiLU in fp32,
+    gate / (1 + exp(-gate)), rounded (PyTorch's bf16 `F.silu`), then the product rounded. exp is Cephes' expf (as in
+    the attention's softmax) rather than the C library's, so that the loop vectorises (the C library's is a call per
+    element). `parts` as in `rms_norm`."""
+    if parts == 1:
+        _silu_rows(gate_up, out, 0, gate_up.shape[0])
+    else:
+        for p in prange(parts):
+            start, stop = _part(gate_up.shape[0], parts, p)
+            _silu_rows(gate_up, out, start, stop)
+
+
+# Elements (rows x row width) from which a row-wise kernel shares its rows out across numba's threads
+# (`row_parts`). Fewer run on the calling thread: waking the pool costs a few microseconds, about 3k elements of
+# SiLU (1.4 ns each on a 2-core AVX2 EPYC, where two threads took 0.61x the time of one at 20 rows x 1536 and
+# 0.50-0.55x from 80 rows on) or more of the norms, which are cheaper per element.
+PARALLEL_ELEMENTS = 16384
+
+
+def row_parts(rows: int, width: int, threads: int) -> int:
+    """How many parts the row-wise kernels (`rms_norm`, `add_rms_norm`, `rope_and_store`, `silu_and_mul`) cut
+    `rows` rows of `width` elements into with `threads` numba threads: one below `PARALLEL_ELEMENTS`, else one
+    per thread. A row comes out the same either way (`tests/test_cpu_forward.py`)."""
+    return min(threads, rows) if rows * width >= PARALLEL_ELEMENTS else 1
+
+
 class FusedCpuDecoder:
     """`Transformer.forward` for batch-invariant bf16 verify steps on the CPU (module docstring). Built once per
     engine from a bf16 model; holds views of its weights. Linear layers run where the engine put them: `Bf16Linear`
@@ -184,6 +246,7 @@ class FusedCpuDecoder:
             raise ValueError(f"RoPE needs an even head_dim; got {a.head_dim}")
         self.model = model
         self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
+        self.intermediate = a.intermediate_size
         self.eps = np.float32(a.norm_eps)
         self.embeddings = bf16_bits(model.tok_embeddings.weight.detach())
         self.layers = []
@@ -204,18 +267,21 @@ class FusedCpuDecoder:
         q = np.empty((T, H, D), np.uint16)
         slots = np.ascontiguousarray(write_slots, dtype=np.int64)
         threads = numba.get_num_threads()  # once: each kernel call would ask (`Bf16Linear.bits`)
-        rms_norm(x, self.layers[0][0], self.eps, normed)
+        norm_parts = row_parts(T, x.shape[1], threads)
+        rope_parts = row_parts(T, (H + 2 * self.n_kv_heads) * D, threads)
+        silu_parts = row_parts(T, self.intermediate, threads)
+        rms_norm(x, self.layers[0][0], self.eps, normed, norm_parts)
         for i, (_, ffn_norm, wqkv, wo, w13, w2) in enumerate(self.layers):  # the attention norm ran with the add
             k_pool, v_pool = pool_bits[i]
-            rope_and_store(wqkv(normed, threads), cos, sin, H, self.n_kv_heads, q, k_pool, v_pool, slots)
+            rope_and_store(wqkv(normed, threads), cos, sin, H, self.n_kv_heads, q, k_pool, v_pool, slots, rope_parts)
             attended = tree_attention_bits(q, k_pool, v_pool, layout, threads=threads)
-            add_rms_norm(x, wo(attended, threads), ffn_norm, self.eps, normed)
+            add_rms_norm(x, wo(attended, threads), ffn_norm, self.eps, normed, norm_parts)
             gate_up = w13(normed, threads)
-            act = np.empty((T, gate_up.shape[1] // 2), np.uint16)
-            silu_and_mul(gate_up, act)
+            act = np.empty((T, self.intermediate), np.uint16)
+            silu_and_mul(gate_up, act, silu_parts)
             down = w2(act, threads)
             if i + 1 < len(self.layers):
-                add_rms_norm(x, down, self.layers[i + 1][0], self.eps, normed)
+                add_rms_norm(x, down, self.layers[i + 1][0], self.eps, normed, norm_parts)
             else:
                 residual_add(x, down)
         return torch.from_numpy(x).view(torch.bfloat16)
