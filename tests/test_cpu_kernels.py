@@ -264,6 +264,19 @@ def test_tree_attention_tasks_cover_every_row_once_in_equal_runs(rows, kv_heads,
     assert runs.max() - runs.min() <= 1
 
 
+def _packed_batch(rng, segments: list[tuple[int, np.ndarray]]):
+    """q [T, 9, 64] bits, K/V pools (3 KV heads, 1024 slots, bits) and the layout of requests packed one after
+    another: per request (context length, mask over its new tokens), its keys in random slots of the pool."""
+    _, _, k_bits, v_bits = _paged(rng, 3, 1024, 64)
+    pool = rng.permutation(1024)
+    packed, offset, used = [], 0, 0
+    for context, mask in segments:
+        m = mask.shape[0]
+        packed.append((offset, context, pool[used:used + context + m], mask))
+        offset, used = offset + m, used + context + m
+    return bf16_bits(_bf16(rng, offset, 9, 64)), k_bits, v_bits, TreeAttentionLayout(packed)
+
+
 @HYP
 @given(parents=trees, context=st.integers(0, 300), others=st.integers(0, 2), seed=st.integers(0, 2**16))
 def test_tree_attention_reading_the_pool_gives_the_bits_of_widened_copies(parents, context, others, seed):
@@ -272,16 +285,8 @@ def test_tree_attention_reading_the_pool_gives_the_bits_of_widened_copies(parent
     # bits: the same values enter the same chains. Contexts reach past a few hundred keys, so the pool's blocks
     # scatter and a task's keys outnumber the score loop's tile several times over.
     rng = np.random.default_rng(seed)
-    _, _, k_bits, v_bits = _paged(rng, 3, 1024, 64)
-    pool = rng.permutation(1024)
-    segments, offset, used, queries = [], 0, 0, []
-    for c, m, mask in [(int(rng.integers(0, 60)), int(rng.integers(1, 6)), None) for _ in range(others)] + [
-            (context, len(parents) + 1, _tree_mask(parents))]:
-        mask = np.tril(np.ones((m, m), bool)) if mask is None else mask
-        segments.append((offset, c, pool[used:used + c + m], mask))
-        queries.append(bf16_bits(_bf16(rng, m, 9, 64)))
-        offset, used = offset + m, used + c + m
-    q, layout = np.concatenate(queries), TreeAttentionLayout(segments)
+    chains = [(int(rng.integers(0, 60)), np.tril(np.ones((int(rng.integers(1, 6)),) * 2, bool))) for _ in range(others)]
+    q, k_bits, v_bits, layout = _packed_batch(rng, chains + [(context, _tree_mask(parents))])
     from_pool = tree_attention_bits(q, k_bits, v_bits, layout, fp32_out=True)
     from_copies = tree_attention_bits(q, k_bits, v_bits, layout, fp32_out=True, widened_copy=True)
     assert np.array_equal(from_pool.view(np.uint32), from_copies.view(np.uint32))
@@ -294,15 +299,10 @@ def test_rows_that_see_one_run_of_keys_skip_the_mask_with_the_same_bits(parents,
     # chain's) reads its keys as one run instead of through the mask (`TreeAttentionLayout.one_run`): the same
     # keys in the same order, so the same bits as the masked path, which every row takes with `mask_every_row`.
     rng = np.random.default_rng(seed)
-    _, _, k_bits, v_bits = _paged(rng, 3, 1024, 64)
-    pool = rng.permutation(1024)
     masks = [np.tril(np.ones((prefill, prefill), bool)), _tree_mask(parents)]
-    segments = [(0, 0, pool[:prefill], masks[0]),
-                (prefill, context, pool[prefill:prefill + context + len(parents) + 1], masks[1])]
-    layout = TreeAttentionLayout(segments)
+    q, k_bits, v_bits, layout = _packed_batch(rng, [(0, masks[0]), (context, masks[1])])
     want = [all(row[:np.flatnonzero(row).max() + 1]) for mask in masks for row in mask]
     assert layout.one_run.tolist() == [int(w) for w in want]
-    q = bf16_bits(_bf16(rng, prefill + len(parents) + 1, 9, 64))
     one_run = tree_attention_bits(q, k_bits, v_bits, layout, fp32_out=True)
     masked = tree_attention_bits(q, k_bits, v_bits, layout, fp32_out=True, mask_every_row=True)
     assert np.array_equal(one_run.view(np.uint32), masked.view(np.uint32))

@@ -1095,34 +1095,28 @@ def _tree_attention_kernel(head_dim: int, widened_copy: bool = False):
             power_bits = np.empty(keys, np.uint32)
             for row in range(count):
                 g, i = divmod(first + row, n)
-                # A row that sees keys 0 .. c + reach in a row (a causal prefill's, a chain's) skips the mask: the
-                # loops below tested and copied each new token's key one by one, over a prefill's keys a third or
-                # more of its attention. Prefills of 512 / 2048 tokens took 0.94x / 0.82x the time, their
-                # attention 0.66x / 0.61x (`prefill_attention.md`, AVX2 EPYC); the same keys in the same order.
-                if one_run[r0 + i]:
-                    m = c + reach[r0 + i] + 1
-                    for t in range(m):
-                        weights[t] = scores[row, t] * scale
-                    totals[row] = _softmax_weights(weights, m, power_bits)
-                    for t in range(m):
-                        probs[row, t] = weights[t]
-                    continue
                 # the keys this row sees, in slot order: its context, then its ancestors and itself. For a draft
                 # token that is exactly the key list plain decoding of its path sees, so everything below, which
                 # depends only on that list (its length fixes how the softmax's sums split into vector lanes),
-                # matches plain decoding bitwise.
-                for t in range(c):  # the context: contiguous, so these copies vectorise
+                # matches plain decoding bitwise. The leading keys it sees without a gap (its context, and all of
+                # them where it sees its segment's new tokens 0 .. reach: a causal prefill's rows, a chain's) are
+                # contiguous, so their copies vectorise; only the rest go through the mask, one by one. Through the
+                # mask, a prefill's rows spent a third or more of its attention there: with the one run, prefills
+                # of 512 / 2048 tokens took 0.94x / 0.82x the time, their attention 0.66x / 0.61x
+                # (`prefill_attention.md`, AVX2 EPYC).
+                run = c + reach[r0 + i] + 1 if one_run[r0 + i] else c
+                for t in range(run):
                     weights[t] = scores[row, t] * scale
-                m = c
-                for j in range(reach[r0 + i] + 1):
+                m = run
+                for j in range(0 if one_run[r0 + i] else reach[r0 + i] + 1):
                     if mask[mask_start[s] + i * n + j]:
                         visible[m] = c + j
                         weights[m] = scores[row, c + j] * scale
                         m += 1
                 totals[row] = _softmax_weights(weights, m, power_bits)
-                for t in range(c):
+                for t in range(run):
                     probs[row, t] = weights[t]
-                for t in range(c, m):
+                for t in range(run, m):
                     probs[row, visible[t]] = weights[t]
             weighted = np.empty((count, value_width), np.float32)
             if in_place:
