@@ -25,10 +25,12 @@ from dataclasses import dataclass
 
 import numba as nb
 import numpy as np
+from numba import literal_unroll
 
 from datastore.kernels import gather_one, ranges_one, split_k
 
 
+@nb.njit(cache=True)
 def sssd_branch_length(budget: int) -> int:
     """SSSD's `default_branch_func`: continuation length for a tree of s = budget + 1 nodes (root included)."""
     s = budget + 1
@@ -160,6 +162,51 @@ def tries_of_rows(rows, owner, lens):
     return tok, cnt, first, sib, roots
 
 
+# `lookup_tries`' stand-in for "no datastore" (a compiled loop cannot run over an empty tuple); query it with branch
+# length 0 only
+NO_DATASTORE = ((np.zeros(0, np.int32),), (np.zeros(0, np.int32),), -1)
+
+
+@nb.njit(cache=True)
+def lookup_tries(datastores, P, plen, lengths, k, threshold):
+    """Every datastore's back-off lookup (`backoff_rows`) for the whole batch and the count-tries of their rows
+    (`tries_of_rows`), in one compiled call: `datastores` is a tuple of `Datastore.kernel_arrays()`, `P` [B, q] the
+    right-aligned prefixes (request b's are its last plen[b] columns), `lengths[b]` its branch length (0: skip).
+    Returns the tries' (tok, cnt, first, sib) and, per [request, datastore], the root (-1: nothing retrieved), the
+    match length and the rounds queried."""
+    B = P.shape[0]
+    K = len(datastores)
+    L = max(lengths.max(), 1) if B else 1
+    match_len = np.zeros((B, K), np.int32)
+    rounds = np.zeros((B, K), np.int32)
+    parts = []
+    owners = []
+    n_rows = 0
+    kk = 0
+    for ds in literal_unroll(datastores):
+        rows, owner, match_len[:, kk], rounds[:, kk] = backoff_rows(ds[0], ds[1], ds[2], P, plen, lengths, k, L,
+                                                                   threshold)
+        parts.append(rows)
+        owners.append(owner + kk * B)  # group (datastore kk, request b): datastore by datastore, so still in order
+        n_rows += rows.shape[0]
+        kk += 1
+    rows = np.empty((n_rows, L), np.int32)
+    owner = np.empty(n_rows, np.int64)
+    o = 0
+    for i in range(len(parts)):
+        rows[o : o + parts[i].shape[0]] = parts[i]
+        owner[o : o + parts[i].shape[0]] = owners[i]
+        o += parts[i].shape[0]
+    lens = np.empty(K * B, np.int64)
+    for g in range(K * B):
+        lens[g] = lengths[g % B]
+    tok, cnt, first, sib, roots = tries_of_rows(rows, owner, lens)
+    by_request = np.empty((B, K), np.int64)
+    for g in range(K * B):
+        by_request[g % B, g // B] = roots[g]
+    return tok, cnt, first, sib, by_request, match_len, rounds
+
+
 @dataclass(frozen=True, eq=False)
 class DatastoreCandidates:
     tok: np.ndarray  # int32 [N] token of each node (-1 at roots)
@@ -198,6 +245,7 @@ class DatastoreSource:
 
     def __init__(self, datastores: Sequence, *, query_len: int = 4, samples: int = 100, threshold: int = 50):
         self.datastores = list(datastores)
+        self.kernel_arrays = tuple(ds.kernel_arrays() for ds in self.datastores)  # `lookup_tries`' datastores
         self.query_len = query_len
         self.samples = samples
         self.threshold = threshold
@@ -208,7 +256,10 @@ class DatastoreSource:
         q = self.query_len
         B, K = len(prefixes), len(self.datastores)
         lengths = np.asarray(lengths, np.int32)
-        L = int(lengths.max()) if B else 1
+        if K == 0:
+            empty = np.zeros(0, np.int32)
+            return DatastoreCandidates(tok=empty, cnt=empty, first=empty, sib=empty, roots=np.full((B, 0), -1),
+                                       match_len=np.zeros((B, 0), np.int32), rounds=np.zeros((B, 0), np.int32))
         # right-aligned [B, q] prefix matrix: the prefix of length c of request b is P[b, q - c:]
         P = np.zeros((B, q), np.int64)
         plen = np.zeros(B, np.int64)
@@ -217,23 +268,7 @@ class DatastoreSource:
             plen[b] = p.shape[0]
             if p.shape[0]:
                 P[b, q - p.shape[0] :] = p
-        rows_all, owner_all = [], []
-        match_len = np.zeros((B, K), np.int32)
-        rounds = np.zeros((B, K), np.int32)
-        for k, ds in enumerate(self.datastores):
-            tokens, sas, sep = ds.kernel_arrays()
-            rows, owner, match_len[:, k], rounds[:, k] = backoff_rows(
-                tokens, sas, sep, P, plen, lengths, self.samples, L, self.threshold)
-            rows_all.append(rows)
-            owner_all.append(owner + k * B)
-        if len(rows_all) == 1:  # one datastore: rows already come grouped per request, rounds in order
-            rows, owner = rows_all[0], owner_all[0]
-        elif rows_all:
-            owner = np.concatenate(owner_all)
-            order = np.argsort(owner, kind="stable")  # group rows per (datastore, request), rounds in order
-            rows, owner = np.ascontiguousarray(np.concatenate(rows_all)[order]), owner[order]
-        else:
-            rows, owner = np.full((0, L), -1, np.int32), np.zeros(0, np.int64)
-        tok, cnt, first, sib, roots = tries_of_rows(rows, owner, np.tile(lengths, K).astype(np.int64))
-        return DatastoreCandidates(tok=tok, cnt=cnt, first=first, sib=sib, roots=roots.reshape(K, B).T.copy(),
-                                   match_len=match_len, rounds=rounds)
+        tok, cnt, first, sib, roots, match_len, rounds = lookup_tries(self.kernel_arrays, P, plen, lengths,
+                                                                      self.samples, self.threshold)
+        return DatastoreCandidates(tok=tok, cnt=cnt, first=first, sib=sib, roots=roots, match_len=match_len,
+                                   rounds=rounds)

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from drafter.calibration import CalibrationMap
-from drafter.datastore_source import DatastoreSource, sssd_branch_length
-from drafter.fusion import PARALLEL_MIN_BATCH, fuse_batch_parallel, fuse_batch_serial
+from drafter.datastore_source import NO_DATASTORE
+from drafter.fusion import PARALLEL_MIN_BATCH, draft_batch
 from drafter.input_index import InputIndex
 from drafter.tree import DraftTree
 
@@ -109,8 +109,11 @@ class Drafter:
         self._index = InputIndex(query_len=config.query_len, depth=config.input_depth,
                                  max_tokens=config.input_max_tokens, vocab_size=self.vocab_size,
                                  history_tokens=history, history_top=config.fanout)
-        self._ds_source = DatastoreSource(self.datastores, query_len=config.query_len,
-                                          samples=config.datastore_samples, threshold=config.backoff_threshold)
+        # `draft_batch`'s datastores (`Datastore.kernel_arrays`); "input" drafts without them (an empty placeholder
+        # that no request queries: a compiled loop cannot run over an empty tuple)
+        self._use_datastores = config.sources != "input"
+        self._kernel_datastores = tuple(ds.kernel_arrays() for ds in self.datastores) if self._use_datastores \
+            else (NO_DATASTORE,)
         self._warm_up()
 
     # ---- lifecycle (forwarded to the input index) -----------------------------------------------------------
@@ -149,38 +152,14 @@ class Drafter:
     def draft_detailed(self, batch: Sequence[tuple[Hashable, int]]) -> list[DraftResult]:
         """Like `draft`, plus raw scores and match lengths per node (for calibration logging)."""
         cfg = self.config
-        seqs, slots, budgets = self._check_batch(batch)
-        B = len(seqs)
-        use_input = cfg.sources != "datastore"
-        if cfg.sources != "input" and B:
-            lengths = np.array([0 if b == 0 else (cfg.datastore_branch_len or sssd_branch_length(b))
-                                for b in budgets], np.int32)
-            prefixes = [s.buf[max(0, s.n - cfg.query_len) : s.n] for s in seqs]
-            cand = self._ds_source.lookup(prefixes, lengths)
-        else:
-            cand = self._ds_source_empty(B)
+        slots, budgets = self._check_batch(batch)
         lookup, kx, ky, kn = self._cal_tables
-        cap = max(max(budgets, default=0), 1)
-        o_tok = np.empty((B, cap), np.int32)
-        o_par = np.empty((B, cap), np.int32)
-        o_prob = np.empty((B, cap), np.float32)
-        o_depth = np.empty((B, cap), np.int32)
-        o_src = np.empty((B, cap), np.int16)
-        o_raw = np.empty((B, cap), np.float32)
-        o_mlen = np.empty((B, cap), np.int32)
-        o_n = np.zeros(B, np.int64)
         tables = self._index.tables
-        n_seq = tables.n[slots] if use_input else np.zeros(B, np.int64)
-        kernel = fuse_batch_parallel if B >= PARALLEL_MIN_BATCH else fuse_batch_serial
-        t = tables.lists
-        kernel(
-            slots, n_seq, t["buf"], t["tok"], t["cnt"], t["first"], t["sib"], t["hkeys"], t["hvals"], t["top"],
-            self._index.history_slot if use_input else -1, self.history_source, self._index.history_top,
-            cfg.query_len, cfg.input_depth, cfg.input_scale, cfg.delta_base, cfg.delta_step,
-            cand.tok, cand.cnt, cand.first, cand.sib, cand.roots, cand.match_len,
-            np.asarray(budgets, np.int64), cfg.fanout, lookup, kx, ky, kn,
-            o_tok, o_par, o_prob, o_depth, o_src, o_raw, o_mlen, o_n,
-        )
+        o_tok, o_par, o_prob, o_depth, o_src, o_raw, o_mlen, o_n = draft_batch(
+            slots, budgets, tables.arrays, tables.n, cfg.sources != "datastore", self._index.history_slot,
+            self.history_source, self._index.history_top, cfg.query_len, cfg.input_depth, cfg.input_scale,
+            cfg.delta_base, cfg.delta_step, self._kernel_datastores, self._use_datastores, cfg.datastore_samples,
+            cfg.backoff_threshold, cfg.datastore_branch_len or 0, cfg.fanout, lookup, kx, ky, kn)
         # Each tree views its row of this call's fresh output arrays: no per-request copies.
         return [
             DraftResult(
@@ -192,8 +171,11 @@ class Drafter:
         ]
 
     # ---- internals -------------------------------------------------------------------------------------------
-    def _check_batch(self, batch):
-        seqs, slots, budgets, seen = [], [], [], set()
+    def _check_batch(self, batch) -> tuple[np.ndarray, np.ndarray]:
+        """The batch's input-index slots and budgets, as int64 arrays; a clear ValueError for any bad item."""
+        slots, budgets, seen = [], [], set()
+        slot_of = self._index.slot
+        max_budget = self.config.max_budget
         for item in batch:
             try:
                 rid, budget = item
@@ -203,21 +185,15 @@ class Drafter:
                 raise ValueError(f"budget for request {rid!r} must be an int, got {budget!r}")
             if budget < 0:
                 raise ValueError(f"budget for request {rid!r} is {budget}; it must be >= 0 (0 = no speculation)")
-            if budget > self.config.max_budget:
+            if budget > max_budget:
                 raise ValueError(f"budget for request {rid!r} is {budget}, above DrafterConfig.max_budget="
-                                 f"{self.config.max_budget}; raise max_budget or lower the budget")
+                                 f"{max_budget}; raise max_budget or lower the budget")
             if rid in seen:
                 raise ValueError(f"request {rid!r} appears twice in the batch")
             seen.add(rid)
-            seqs.append(self._index._get(rid))
-            slots.append(self._index.slot(rid))
-            budgets.append(int(budget))
-        return seqs, np.asarray(slots, np.int64), budgets
-
-    def _ds_source_empty(self, B: int):
-        empty = DatastoreSource([], query_len=self.config.query_len)
-        c = empty.lookup([np.empty(0, np.int32)] * B, np.zeros(B, np.int32))
-        return c
+            slots.append(slot_of(rid))
+            budgets.append(budget)
+        return np.array(slots, np.int64), np.array(budgets, np.int64)
 
     def _warm_up(self) -> None:
         """Compile (or load cached) numba kernels now, serial and parallel, so no request pays for it."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
+from drafter.datastore_source import lookup_tries, sssd_branch_length
 from drafter.input_index import trie_child
 
 # entry columns (float64 [cap, 9]; integer fields are exact in float64)
@@ -301,21 +302,21 @@ def fuse_one(
     return n
 
 
-def _fuse_rows(slots, n_seq, bufs, itoks, icnts, ifirsts, isibs, hkeyss, hvalss, tops, history_slot, history_src,
-               history_top, query_len, input_depth, input_scale, delta_base, delta_step,
-               dtok, dcnt, dfirst, dsib, ds_roots, ds_mlen, budgets, fanout, lookup, kx, ky, kn,
+def _fuse_rows(slots, n_seq, tables, history_slot, history_src, history_top, query_len, input_depth, input_scale,
+               delta_base, delta_step, dtok, dcnt, dfirst, dsib, ds_roots, ds_mlen, budgets, fanout, lookup, kx, ky, kn,
                o_tok, o_par, o_prob, o_depth, o_src, o_raw, o_mlen, o_n):
-    """`fuse_one` for every row b of a batch: request slot `slots[b]` (its arrays in the typed lists), datastore
-    roots `ds_roots[b]`, output row b of the 2-D `o_*`, node count in `o_n[b]`. `n_seq[b]` = 0 disables the input
-    source for that row; `history_slot` (-1: none) is the output history's slot, drafted as source `history_src`.
-    Compiled twice below: a `prange` version for large batches and a serial one."""
+    """`fuse_one` for every row b of a batch: request slot `slots[b]` (its arrays: `tables[slots[b]]`, in
+    `_SlotTables.FIELDS` order), datastore roots `ds_roots[b]`, output row b of the 2-D `o_*`, node count in `o_n[b]`.
+    `n_seq[b]` = 0 disables the input source for that row; `history_slot` (-1: none) is the output history's slot,
+    drafted as source `history_src`. Compiled twice below: a `prange` version for large batches and a serial one."""
     hsrc = history_src if history_slot >= 0 else -1
     for b in nb.prange(slots.shape[0]):
-        s = slots[b]
-        h = history_slot if history_slot >= 0 else s  # without a history any slot will do: hsrc = -1 leaves it unread
+        buf, itok, icnt, ifirst, isib, hkeys, hvals, _ = tables[slots[b]]
+        # without a history any slot will do: hsrc = -1 leaves it unread
+        _, htok, hcnt, hfirst, hsib, hhkeys, hhvals, htop = tables[history_slot if history_slot >= 0 else slots[b]]
         o_n[b] = fuse_one(
-            bufs[s], n_seq[b], itoks[s], icnts[s], ifirsts[s], isibs[s], hkeyss[s], hvalss[s],
-            itoks[h], icnts[h], ifirsts[h], isibs[h], hkeyss[h], hvalss[h], tops[h], hsrc, history_top,
+            buf, n_seq[b], itok, icnt, ifirst, isib, hkeys, hvals,
+            htok, hcnt, hfirst, hsib, hhkeys, hhvals, htop, hsrc, history_top,
             query_len, input_depth, input_scale, delta_base, delta_step,
             dtok, dcnt, dfirst, dsib, ds_roots[b], ds_mlen[b], budgets[b], fanout, lookup, kx, ky, kn,
             o_tok[b], o_par[b], o_prob[b], o_depth[b], o_src[b], o_raw[b], o_mlen[b],
@@ -325,3 +326,50 @@ def _fuse_rows(slots, n_seq, bufs, itoks, icnts, ifirsts, isibs, hkeyss, hvalss,
 fuse_batch_parallel = nb.njit(parallel=True, cache=True)(_fuse_rows)
 fuse_batch_serial = nb.njit(cache=True)(_fuse_rows)
 PARALLEL_MIN_BATCH = 16  # below this, waking a second thread costs more than it saves (and it may be busy)
+
+
+@nb.njit(cache=True)
+def draft_batch(slots, budgets, tables, n_all, use_input, history_slot, history_src, history_top, query_len,
+                input_depth, input_scale, delta_base, delta_step, datastores, use_datastores, samples, threshold,
+                branch_len, fanout, lookup, kx, ky, kn):
+    """A whole batch's draft trees in one compiled call: each request's last `query_len` tokens (its slot's
+    `tables[s][0][:n_all[s]]`) are looked up in every datastore (`lookup_tries`, unless `use_datastores` is off;
+    branch length `branch_len`, or SSSD's schedule by budget where it is 0), and `fuse_one` grows its tree from those tries, its own index
+    (`use_input`) and the output history. One call, not one per stage with array glue between them: after a verify
+    step has left the caches cold, each Python-level operation of the glue cost ~5-20 us (a batch-1 draft took
+    ~500 us, ~150 us hot). Returns the [B, max budget] node arrays of `fuse_one` (row b's first `n[b]` entries)
+    and `n`."""
+    B = slots.shape[0]
+    P = np.zeros((B, query_len), np.int64)
+    plen = np.zeros(B, np.int64)
+    n_seq = np.zeros(B, np.int64)
+    lengths = np.zeros(B, np.int32)
+    cap = 1
+    for b in range(B):
+        n = n_all[slots[b]]
+        buf = tables[slots[b]][0]
+        plen[b] = min(query_len, n)
+        for j in range(plen[b]):
+            P[b, query_len - plen[b] + j] = buf[n - plen[b] + j]
+        if use_input:
+            n_seq[b] = n
+        if use_datastores and budgets[b] > 0:
+            lengths[b] = branch_len if branch_len > 0 else sssd_branch_length(budgets[b])
+        cap = max(cap, budgets[b])
+    dtok, dcnt, dfirst, dsib, ds_roots, ds_mlen, _ = lookup_tries(datastores, P, plen, lengths, samples, threshold)
+    o_tok = np.empty((B, cap), np.int32)
+    o_par = np.empty((B, cap), np.int32)
+    o_prob = np.empty((B, cap), np.float32)
+    o_depth = np.empty((B, cap), np.int32)
+    o_src = np.empty((B, cap), np.int16)
+    o_raw = np.empty((B, cap), np.float32)
+    o_mlen = np.empty((B, cap), np.int32)
+    o_n = np.zeros(B, np.int64)
+    args = (slots, n_seq, tables, history_slot, history_src, history_top, query_len, input_depth, input_scale,
+            delta_base, delta_step, dtok, dcnt, dfirst, dsib, ds_roots, ds_mlen, budgets, fanout, lookup, kx, ky, kn,
+            o_tok, o_par, o_prob, o_depth, o_src, o_raw, o_mlen, o_n)
+    if B >= PARALLEL_MIN_BATCH:
+        fuse_batch_parallel(*args)
+    else:
+        fuse_batch_serial(*args)
+    return o_tok, o_par, o_prob, o_depth, o_src, o_raw, o_mlen, o_n

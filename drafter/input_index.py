@@ -204,34 +204,34 @@ class _Seq:
 
 
 class _SlotTables:
-    """Every active request's index arrays, referenced by slot in numba typed lists, so that one compiled kernel can
-    read a whole batch of indexes (`drafter.fusion.fuse_batch`) without a Python call per request.
+    """Every active request's index arrays, referenced by slot in one numba typed list, so that one compiled kernel
+    can read a whole batch of indexes (`drafter.fusion.draft_batch`) without a Python call per request.
 
-    A slot is taken at `start_request` and given back at `stop_request`. Arrays are replaced in place of their slot
-    when a request's index reallocates them (`_Seq.version`); `n[slot]` is the request's current token count.
+    Slot s holds the tuple `(buf, tok, cnt, first, sib, hkeys, hvals, top)` of one `_Seq` (`FIELDS`); `n[s]` is its
+    current token count. A slot is taken at `start_request` and given back at `stop_request`; its tuple is replaced
+    when the request's index reallocates an array (`_Seq.version`). One list of tuples, not a list per field: a
+    kernel call unboxes each typed list in Python, ~10 us apiece once a verify step has left the caches cold.
     """
 
+    FIELDS = ("buf", "tok", "cnt", "first", "sib", "hkeys", "hvals", "top")
     _I32 = nb.types.int32[::1]
-    _I64 = nb.types.int64[::1]
-    _FIELDS_I32 = ("buf", "tok", "cnt", "first", "sib", "hvals", "top")
+    _TUPLE = nb.types.Tuple((_I32, _I32, _I32, _I32, _I32, nb.types.int64[::1], _I32, _I32))
 
     def __init__(self) -> None:
         from numba.typed import List
 
-        self.lists = {name: List.empty_list(self._I32) for name in self._FIELDS_I32}
-        self.lists["hkeys"] = List.empty_list(self._I64)
+        self.arrays = List.empty_list(self._TUPLE)
         self.n = np.zeros(16, np.int64)
         self._synced: list[int] = []
         self._free: list[int] = []
-        self._empty32 = np.empty(0, np.int32)
-        self._empty64 = np.empty(0, np.int64)
+        empty32 = np.empty(0, np.int32)
+        self._empty = (empty32,) * 5 + (np.empty(0, np.int64),) + (empty32,) * 2
 
     def acquire(self) -> int:
         if self._free:
             return self._free.pop()
         slot = len(self._synced)
-        for name, lst in self.lists.items():
-            lst.append(self._empty64 if name == "hkeys" else self._empty32)
+        self.arrays.append(self._empty)
         self._synced.append(-1)
         if slot >= self.n.shape[0]:
             self.n = _grow(self.n, slot + 1)
@@ -239,14 +239,12 @@ class _SlotTables:
 
     def sync(self, slot: int, seq: "_Seq") -> None:
         if self._synced[slot] != seq.version:
-            for name, lst in self.lists.items():
-                lst[slot] = getattr(seq, name)
+            self.arrays[slot] = tuple(getattr(seq, name) for name in self.FIELDS)
             self._synced[slot] = seq.version
         self.n[slot] = seq.n
 
     def release(self, slot: int) -> None:
-        for name, lst in self.lists.items():  # drop the references so the memory is freed now
-            lst[slot] = self._empty64 if name == "hkeys" else self._empty32
+        self.arrays[slot] = self._empty  # drop the references so the memory is freed now
         self._synced[slot] = -1
         self.n[slot] = 0
         self._free.append(slot)
