@@ -348,7 +348,7 @@ class BudgetController:
         factors = self.request_factors(request_ids, b)
         draft_s = self.draft_s_per_request * b
         if remaining_steps is None:
-            objective: _Objective = _Throughput(draft_s, np.ones(b))
+            objective: _Objective = _Throughput(draft_s, ones)
         else:
             rate = ones if tokens_per_step is None else np.maximum(np.asarray(tokens_per_step, np.float64), 1.0)
             seconds = self._drain_token_seconds(np.asarray(remaining_steps, np.float64), rate, context, base_s)
@@ -356,9 +356,11 @@ class BudgetController:
         nodes, step_s, tokens, gain, kept = self._goodput_nodes(trees, candidates, context, tpot_s, factors,
                                                                 objective, base_s, plain_calls)
         # `kept` is sorted and the trees lie end to end, so each request's share is one run of it
-        starts = np.cumsum([0] + [len(t) for t in trees[:-1]])
-        pruned = [_keep_nodes(t, run - start)
-                  for t, run, start in zip(trees, np.split(kept, np.cumsum(nodes)[:-1]), starts)]
+        pruned, start, end = [], 0, 0
+        for tree, n in zip(trees, nodes.tolist()):
+            pruned.append(_keep_nodes(tree, kept[end : end + n] - start))
+            start += len(tree)
+            end += n
         probs, depths, sources = candidates
         return pruned, BudgetDecision(nodes, step_s, tokens, base_s, gain,
                                       request_ids=None if request_ids is None else tuple(request_ids),
@@ -413,7 +415,6 @@ class BudgetController:
         that order."""
         b = len(trees)
         model = self.step_model
-        ones = np.ones(b)
         # Candidates of the whole batch, best first by expected accepted tokens (the request's factor times the
         # node's recalibrated path probability, at most 1). Values never rank a child above its parent and one factor
         # scales a whole tree, so every prefix of this order holds whole trees (ties: parents first).
@@ -467,11 +468,12 @@ class BudgetController:
         if model.attention_layout != "grouped":
             predicted_s = float(model_s[keep.size])
         else:  # the grouped comparisons may have priced it already
-            key = (ones + nodes).tobytes()
-            predicted_s = priced[key] if key in priced else model.predict(ones + nodes, context)
+            tokens = 1.0 + nodes
+            key = tokens.tobytes()
+            predicted_s = priced[key] if key in priced else model.predict(tokens, context)
         starts = np.cumsum(sizes) - sizes
         kept = np.sort(starts[owner[keep]] + index[keep])
-        return nodes, predicted_s, ones + expected_per_request, gain, kept
+        return nodes, predicted_s, 1.0 + expected_per_request, gain, kept
 
     def _prefix_seconds(self, owner: np.ndarray, rank_in_owner: np.ndarray, context: np.ndarray,
                         plain_calls: float) -> np.ndarray:
