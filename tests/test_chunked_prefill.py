@@ -87,6 +87,21 @@ def test_bad_chunk_sizes_are_refused_and_change_nothing(engine):
                      BudgetController(BudgetPolicy.parse("none"), _step_model()), prefill_chunk=0)
 
 
+@needs_model
+def test_serving_chunks_prompts_by_default_only_where_chunks_are_exact(engine):
+    from orchestrator.serving.stack import AUTO_PREFILL_CHUNK, ServingConfig, serving_prefill_chunk
+    from trt_engines.torch_engine import TorchEngine
+
+    assert ServingConfig().prefill_chunk == "auto"
+    assert engine.exact_chunked_prefill  # the bf16 numba attention: chunks give a whole prefill's bits (test above)
+    assert serving_prefill_chunk("auto", engine) == AUTO_PREFILL_CHUNK
+    fp32 = TorchEngine("default", dtype=torch.float32, num_blocks=8, block_size=BLOCK, max_context=128)
+    assert not fp32.exact_chunked_prefill and serving_prefill_chunk("auto", fp32) is None  # whole prompts there
+    assert serving_prefill_chunk(None, engine) is None and serving_prefill_chunk(64, fp32) == 64  # asked for: kept
+    with pytest.raises(ValueError, match="prefill_chunk must be 'auto', an int >= 1"):
+        ServingConfig(prefill_chunk="whole")
+
+
 def _step_model() -> StepTimeModel:
     cpu = HardwareSpec("test-cpu", {"bfloat16": 3e11}, mem_bandwidth=2e10, overhead_s=5e-3)
     return StepTimeModel(ModelShape.from_config(default_model_dir()), cpu)

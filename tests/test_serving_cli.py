@@ -104,6 +104,8 @@ def test_serve_both_front_ends_then_graceful_sigterm(tmp_path):
     (["--max-running", "0"], "max_running must be an int >= 1; got 0"),
     (["--num-blocks", "0"], "num_blocks must be an int >= 1 (or None); got 0"),
     (["--model-name="], "model_name must not be empty"),
+    (["--prefill-chunk", "-8"], "prefill_chunk must be 'auto', an int >= 1"),
+    (["--prefill-chunk", "whole"], "expected auto, 0 (whole prompts) or prompt tokens per step, got 'whole'"),
 ])
 def test_serve_refuses_bad_options_before_starting_anything(capsys, argv, message):
     from orchestrator.serving.cli import serve_main
@@ -111,6 +113,18 @@ def test_serve_refuses_bad_options_before_starting_anything(capsys, argv, messag
     with pytest.raises(SystemExit) as exit_info:
         serve_main(["--http", *argv])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value, chunk", [(None, "auto"), ("auto", "auto"), ("0", None), ("64", 64)])
+def test_serve_prefill_chunk_option(value, chunk):
+    import argparse
+
+    from orchestrator.serving.cli import _config, _config_args
+
+    parser = argparse.ArgumentParser()
+    _config_args(parser)
+    args = parser.parse_args([] if value is None else ["--prefill-chunk", value])
+    assert _config(args).prefill_chunk == chunk
 
 
 @pytest.mark.parametrize("wrong", ["datastore", "model"])

@@ -539,6 +539,12 @@ class TorchEngine:
             self.kv.release(request_id)
             raise
 
+    @property
+    def exact_chunked_prefill(self) -> bool:
+        """Whether a prompt prefilled in chunks (`prefill`) gets bitwise the K/V and first token of one prefilled whole:
+        where its prefill runs the batch-invariant numba attention."""
+        return self._invariant_prefill
+
     @torch.inference_mode()
     def prefill(self, request_id, max_tokens: int) -> int | None:
         """Compute the next at most `max_tokens` tokens of a prompt that `add_request(prefill_tokens=...)` started;

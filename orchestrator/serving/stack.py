@@ -39,6 +39,21 @@ NOMINAL_CPU = HardwareSpec("nominal-cpu", {"float32": 1e11, "bfloat16": 3e11}, m
 HARDWARE_MODES = ("measure", "nominal")  # `ServingConfig.hardware` values that name no device or profile
 
 
+AUTO_PREFILL_CHUNK = 256
+
+
+def serving_prefill_chunk(prefill_chunk: int | str | None, engine) -> int | None:
+    """The orchestrator's `prefill_chunk` for a `ServingConfig.prefill_chunk`. "auto" chunks prompts by
+    `AUTO_PREFILL_CHUNK` tokens where that is measured to pay and changes no bit: where the engine's chunks give bitwise
+    a whole prefill's K/V and first token (`TorchEngine.exact_chunked_prefill`: its numba attention, bf16 on the CPU).
+    There a prompt of 610-701 tokens arriving among 4 decoding requests stalled their streams for up to 1.3-1.6 s when
+    prefilled whole and 0.62-0.66 s in 256-token chunks, at the same TTFT (1.01x) and throughput (1.02x)
+    (`benchmarks/results/chunked_prefill.md`). Elsewhere (fp32; a GPU, not measured) prompts are prefilled whole."""
+    if prefill_chunk != "auto":
+        return prefill_chunk
+    return AUTO_PREFILL_CHUNK if getattr(engine, "exact_chunked_prefill", False) else None
+
+
 @dataclass(frozen=True)
 class ServingConfig:
     """Everything needed to build a stack. `datastores=None` means the default datastore if it is built (else the
@@ -65,7 +80,8 @@ class ServingConfig:
     draft_idle_timeout_s: float = 300.0  # retrospec_draft sessions without a call for this long are released
     draft_timeout_s: float | None = None  # a drafting call slower than this makes its step plain decoding
     micro_batches: int | None = None  # None: decide each step (`Orchestrator`); 1: never pipeline; 2+: always
-    prefill_chunk: int | None = None  # prompt tokens a step may compute (chunked prefill); None: whole prompts
+    # prompt tokens a step may compute (chunked prefill); None: whole prompts; "auto": `AUTO_PREFILL_CHUNK`
+    prefill_chunk: int | str | None = "auto"
 
     def __post_init__(self) -> None:
         BudgetPolicy.parse(self.policy)  # raises a clear ValueError on a typo
@@ -89,7 +105,12 @@ class ServingConfig:
         if self.draft_timeout_s is not None and not self.draft_timeout_s > 0:
             raise ValueError(f"draft_timeout_s must be > 0 (or None: no timeout); got {self.draft_timeout_s}")
         check_micro_batches(self.micro_batches)
-        check_prefill_chunk(self.prefill_chunk)
+        if self.prefill_chunk != "auto":
+            try:
+                check_prefill_chunk(self.prefill_chunk)
+            except ValueError:
+                raise ValueError(f"prefill_chunk must be 'auto', an int >= 1 (prompt tokens per step) or None (whole "
+                                 f"prompts); got {self.prefill_chunk!r}") from None
         if self.hardware not in HARDWARE_MODES:
             hardware(self.hardware)  # an unknown name or a bad profile is refused here, not after loading the model
 
@@ -171,7 +192,7 @@ class ServingStack:
             return MeteredOrchestrator(engine, drafter, BudgetController(policy, step_model), tokenizer=tokenizer,
                                        max_running=config.max_running, metrics=metrics,
                                        draft_timeout_s=config.draft_timeout_s, micro_batches=config.micro_batches,
-                                       prefill_chunk=config.prefill_chunk)
+                                       prefill_chunk=serving_prefill_chunk(config.prefill_chunk, engine))
 
         runner = OrchestratorRunner(build_orchestrator).start()
         orchestrator = runner.orchestrator
