@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 import numba as nb
 import numpy as np
-from numba import literal_unroll
 
 from datastore.kernels import gather_one, ranges_one, split_k
 
@@ -46,30 +45,22 @@ def sssd_branch_length(budget: int) -> int:
 
 
 @nb.njit(cache=True)
-def backoff_rows(tokens_tup, sa_tup, sep, P, plen, lengths, k, L, threshold):
-    """SSSD's back-off lookup for a whole batch against one datastore, in one compiled call.
+def backoff_rows(tokens_tup, sa_tup, sep, P, plen, lengths, k, L, threshold, rows, owner, o, group, match_len, rounds):
+    """SSSD's back-off lookup for a whole batch against one datastore, its rows written from row `o` of `rows` on
+    (request b's own `owner`: group + b); returns the next free row.
 
     Request b (skipped when lengths[b] == 0) queries its last plen[b] tokens (P[b, q - plen[b]:]), then ever shorter
     suffixes: round r uses the last plen[b] - r tokens and runs only while rounds 0..r-1 gathered fewer than
-    `threshold` continuations. Each round samples at most k continuations of length L (datastore.kernels).
-    Returns (rows int32 [R, L], request-major and rounds in order; owner int64 [R]; match_len int32 [B]: the
-    longest suffix that returned anything; rounds int32 [B])."""
+    `threshold` continuations. Each round samples at most k continuations of length L (datastore.kernels), so
+    `rows` [>= o + k * sum(plen), L] holds them all. Rows come request-major, rounds in order; `match_len[b]`: the
+    longest suffix that returned anything; `rounds[b]`: the rounds queried."""
     B, q = P.shape
-    n_queries = 0
-    for b in range(B):
-        if lengths[b] > 0:
-            n_queries += plen[b]
-    rows = np.empty((n_queries * k, L), np.int32)  # upper bound: every round of every request returns k rows
-    owner = np.empty(n_queries * k, np.int64)
-    match_len = np.zeros(B, np.int32)
-    rounds = np.zeros(B, np.int32)
     n_shards = len(tokens_tup)
     lo = np.empty((1, n_shards), np.int64)
     hi = np.empty_like(lo)
     take = np.empty_like(lo)
     query = np.empty(q, np.int64)
     q_off = np.zeros(2, np.int64)
-    o = 0
     for b in range(B):
         if lengths[b] <= 0:
             continue
@@ -86,7 +77,7 @@ def backoff_rows(tokens_tup, sa_tup, sep, P, plen, lengths, k, L, threshold):
             gather_one(tokens_tup, sa_tup, sep, q_off, 0, lo, hi, take, L, rows, o)
             got = 0
             for row in range(o, o + n):
-                owner[row] = b
+                owner[row] = group + b
                 if rows[row, 0] >= 0:
                     got += 1
             if got > 0 and match_len[b] == 0:
@@ -94,7 +85,7 @@ def backoff_rows(tokens_tup, sa_tup, sep, P, plen, lengths, k, L, threshold):
             gathered += got
             rounds[b] += 1
             o += n
-    return rows[:o], owner[:o], match_len, rounds
+    return o
 
 
 # Serial on purpose: the whole batch is tens of microseconds of work, less than one wake-up of numba's thread pool on
@@ -162,49 +153,59 @@ def tries_of_rows(rows, owner, lens):
     return tok, cnt, first, sib, roots
 
 
-# `lookup_tries`' stand-in for "no datastore" (a compiled loop cannot run over an empty tuple); query it with branch
-# length 0 only
-NO_DATASTORE = ((np.zeros(0, np.int32),), (np.zeros(0, np.int32),), -1)
+def _read_only_empty(dtype) -> np.ndarray:
+    a = np.zeros(0, dtype)
+    a.flags.writeable = False  # datastores are read-only maps: the same array type as theirs
+    return a
+
+
+# `lookup_tries`' stand-in for "no datastore" (a loop over an empty tuple does not compile), to be queried with branch
+# length 0 only: typed as a one-shard datastore of a vocabulary under 65536 is, so that a drafter without datastores
+# runs the kernels such a drafter compiled (each new type compiles them again)
+NO_DATASTORE = ((_read_only_empty(np.uint16),), (_read_only_empty(np.int32),), -1)
+
+
+def kernel_datastores(datastores: Sequence) -> tuple:
+    """`lookup_tries`' `datastores`: each one's `kernel_arrays()`, its shards padded with empty ones to the most any
+    of them has, so that all are of one type (a compiled loop can index them; an empty shard matches nothing, so
+    it changes no lookup). Every datastore of a drafter has its vocabulary, so its token encoding."""
+    arrays = [ds.kernel_arrays() for ds in datastores]
+    if not arrays:
+        return (NO_DATASTORE,)
+    shards = max(len(tokens) for tokens, _, _ in arrays)
+    return tuple((tuple(tokens) + (_read_only_empty(tokens[0].dtype),) * (shards - len(tokens)),
+                  tuple(sas) + (_read_only_empty(sas[0].dtype),) * (shards - len(sas)), int(sep))
+                 for tokens, sas, sep in arrays)
 
 
 @nb.njit(cache=True)
 def lookup_tries(datastores, P, plen, lengths, k, threshold):
     """Every datastore's back-off lookup (`backoff_rows`) for the whole batch and the count-tries of their rows
-    (`tries_of_rows`), in one compiled call: `datastores` is a tuple of `Datastore.kernel_arrays()`, `P` [B, q] the
+    (`tries_of_rows`), in one compiled call: `datastores` is `kernel_datastores(...)`, `P` [B, q] the
     right-aligned prefixes (request b's are its last plen[b] columns), `lengths[b]` its branch length (0: skip).
     Returns the tries' (tok, cnt, first, sib) and, per [request, datastore], the root (-1: nothing retrieved), the
     match length and the rounds queried."""
     B = P.shape[0]
     K = len(datastores)
     L = max(lengths.max(), 1) if B else 1
-    match_len = np.zeros((B, K), np.int32)
-    rounds = np.zeros((B, K), np.int32)
-    parts = []
-    owners = []
-    n_rows = 0
-    kk = 0
-    for ds in literal_unroll(datastores):
-        rows, owner, match_len[:, kk], rounds[:, kk] = backoff_rows(ds[0], ds[1], ds[2], P, plen, lengths, k, L,
-                                                                   threshold)
-        parts.append(rows)
-        owners.append(owner + kk * B)  # group (datastore kk, request b): datastore by datastore, so still in order
-        n_rows += rows.shape[0]
-        kk += 1
-    rows = np.empty((n_rows, L), np.int32)
-    owner = np.empty(n_rows, np.int64)
+    n_queries = 0
+    for b in range(B):
+        if lengths[b] > 0:
+            n_queries += plen[b]
+    rows = np.empty((K * n_queries * k, L), np.int32)  # upper bound: every round returns k rows
+    owner = np.empty(K * n_queries * k, np.int64)
+    match_len = np.zeros((K, B), np.int32)
+    rounds = np.zeros((K, B), np.int32)
     o = 0
-    for i in range(len(parts)):
-        rows[o : o + parts[i].shape[0]] = parts[i]
-        owner[o : o + parts[i].shape[0]] = owners[i]
-        o += parts[i].shape[0]
+    for kk in range(K):  # group (datastore kk, request b) = kk * B + b: still in order
+        tokens, sas, sep = datastores[kk]
+        o = backoff_rows(tokens, sas, sep, P, plen, lengths, k, L, threshold, rows, owner, o, kk * B, match_len[kk],
+                         rounds[kk])
     lens = np.empty(K * B, np.int64)
     for g in range(K * B):
         lens[g] = lengths[g % B]
-    tok, cnt, first, sib, roots = tries_of_rows(rows, owner, lens)
-    by_request = np.empty((B, K), np.int64)
-    for g in range(K * B):
-        by_request[g % B, g // B] = roots[g]
-    return tok, cnt, first, sib, by_request, match_len, rounds
+    tok, cnt, first, sib, roots = tries_of_rows(rows[:o], owner[:o], lens)
+    return tok, cnt, first, sib, roots.reshape(K, B).T.copy(), match_len.T.copy(), rounds.T.copy()
 
 
 @dataclass(frozen=True, eq=False)
@@ -235,7 +236,9 @@ class DatastoreCandidates:
 
 
 class DatastoreSource:
-    """Back-off retrieval over one or more datastores for a whole batch (one call per datastore per round).
+    """Back-off retrieval over one or more datastores for a whole batch, from any prefixes (one `lookup_tries` call):
+    the candidates as a `DatastoreCandidates` to inspect. `Drafter` runs the same kernel inside its own compiled
+    drafting call (`drafter.fusion.draft_batch`), on the prefixes its input index holds.
 
     Example:
         src = DatastoreSource([ds], query_len=4, samples=100, threshold=50)
@@ -245,7 +248,7 @@ class DatastoreSource:
 
     def __init__(self, datastores: Sequence, *, query_len: int = 4, samples: int = 100, threshold: int = 50):
         self.datastores = list(datastores)
-        self.kernel_arrays = tuple(ds.kernel_arrays() for ds in self.datastores)  # `lookup_tries`' datastores
+        self.kernel_arrays = kernel_datastores(self.datastores)
         self.query_len = query_len
         self.samples = samples
         self.threshold = threshold

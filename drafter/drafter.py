@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from drafter.calibration import CalibrationMap
-from drafter.datastore_source import NO_DATASTORE
+from drafter.datastore_source import kernel_datastores
 from drafter.fusion import PARALLEL_MIN_BATCH, draft_batch
 from drafter.input_index import InputIndex
 from drafter.tree import DraftTree
@@ -109,11 +109,9 @@ class Drafter:
         self._index = InputIndex(query_len=config.query_len, depth=config.input_depth,
                                  max_tokens=config.input_max_tokens, vocab_size=self.vocab_size,
                                  history_tokens=history, history_top=config.fanout)
-        # `draft_batch`'s datastores (`Datastore.kernel_arrays`); "input" drafts without them (an empty placeholder
-        # that no request queries: a compiled loop cannot run over an empty tuple)
+        # `draft_batch`'s datastores; "input" drafts without them
         self._use_datastores = config.sources != "input"
-        self._kernel_datastores = tuple(ds.kernel_arrays() for ds in self.datastores) if self._use_datastores \
-            else (NO_DATASTORE,)
+        self._kernel_datastores = kernel_datastores(self.datastores if self._use_datastores else ())
         self._warm_up()
 
     # ---- lifecycle (forwarded to the input index) -----------------------------------------------------------

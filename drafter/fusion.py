@@ -334,11 +334,11 @@ def draft_batch(slots, budgets, tables, n_all, use_input, history_slot, history_
                 branch_len, fanout, lookup, kx, ky, kn):
     """A whole batch's draft trees in one compiled call: each request's last `query_len` tokens (its slot's
     `tables[s][0][:n_all[s]]`) are looked up in every datastore (`lookup_tries`, unless `use_datastores` is off;
-    branch length `branch_len`, or SSSD's schedule by budget where it is 0), and `fuse_one` grows its tree from those tries, its own index
-    (`use_input`) and the output history. One call, not one per stage with array glue between them: after a verify
-    step has left the caches cold, each Python-level operation of the glue cost ~5-20 us (a batch-1 draft took
-    ~500 us, ~150 us hot). Returns the [B, max budget] node arrays of `fuse_one` (row b's first `n[b]` entries)
-    and `n`."""
+    branch length `branch_len`, or SSSD's schedule by budget where it is 0), and `fuse_one` grows its tree from those
+    tries, its own index (`use_input`) and the output history. One call, not one per stage with array glue between
+    them: after a verify step has left the caches cold, each Python-level operation of the glue cost ~5-20 us (a
+    batch-1 draft took ~500 us, ~150 us hot). Returns the [B, max budget] node arrays of `fuse_one` (row b's first
+    `n[b]` entries) and `n`."""
     B = slots.shape[0]
     P = np.zeros((B, query_len), np.int64)
     plen = np.zeros(B, np.int64)
@@ -365,11 +365,12 @@ def draft_batch(slots, budgets, tables, n_all, use_input, history_slot, history_
     o_raw = np.empty((B, cap), np.float32)
     o_mlen = np.empty((B, cap), np.int32)
     o_n = np.zeros(B, np.int64)
-    args = (slots, n_seq, tables, history_slot, history_src, history_top, query_len, input_depth, input_scale,
-            delta_base, delta_step, dtok, dcnt, dfirst, dsib, ds_roots, ds_mlen, budgets, fanout, lookup, kx, ky, kn,
-            o_tok, o_par, o_prob, o_depth, o_src, o_raw, o_mlen, o_n)
     if B >= PARALLEL_MIN_BATCH:
-        fuse_batch_parallel(*args)
+        fuse_batch_parallel(slots, n_seq, tables, history_slot, history_src, history_top, query_len, input_depth,
+                            input_scale, delta_base, delta_step, dtok, dcnt, dfirst, dsib, ds_roots, ds_mlen, budgets,
+                            fanout, lookup, kx, ky, kn, o_tok, o_par, o_prob, o_depth, o_src, o_raw, o_mlen, o_n)
     else:
-        fuse_batch_serial(*args)
+        fuse_batch_serial(slots, n_seq, tables, history_slot, history_src, history_top, query_len, input_depth,
+                          input_scale, delta_base, delta_step, dtok, dcnt, dfirst, dsib, ds_roots, ds_mlen, budgets,
+                          fanout, lookup, kx, ky, kn, o_tok, o_par, o_prob, o_depth, o_src, o_raw, o_mlen, o_n)
     return o_tok, o_par, o_prob, o_depth, o_src, o_raw, o_mlen, o_n

@@ -47,8 +47,12 @@ def ds(tmp_path_factory, docs):
 
 @pytest.fixture(scope="module")
 def ds2(tmp_path_factory):
-    path = build_from_token_docs(markov_docs(1, 30, 60), tmp_path_factory.mktemp("ds") / "b", vocab_size=VOCAB)
-    return Datastore.open(path)
+    # in shards, unlike `ds`: a drafter's datastores of different shard counts run as one type (`kernel_datastores`)
+    path = build_from_token_docs(markov_docs(1, 30, 60), tmp_path_factory.mktemp("ds") / "b", vocab_size=VOCAB,
+                                 max_shard_tokens=700)
+    opened = Datastore.open(path)
+    assert len(opened.kernel_arrays()[0]) > 1
+    return opened
 
 
 # ---------------------------------------------------------------- references
