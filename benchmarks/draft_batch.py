@@ -1,88 +1,141 @@
 """Batch drafting latency: one `Drafter.draft` call for 64 requests at budget 32 on the default datastore.
 
-    python -m benchmarks.draft_batch
+    python -m benchmarks.draft_batch                                 # this tree
+    python -m benchmarks.draft_batch --baseline 2257bd2 --rounds 3   # and a git revision, side by side
 
 Requests are the first 16 eval trajectories of each prompt set, each indexed with its prompt and the first 64
 tokens of its recorded output (a mid-generation state). The output history holds the recorded outputs of the next
 40 eval trajectories of each set (finished requests, as on a server that has been serving for a while); one row
 drafts without it, for comparison. Reports p50/p99 of the whole batch call and per request,
-for the fused drafter and each single source, over 200 timed calls after 20 warm-up calls.
+for the fused drafter and each single source, over 200 timed calls after 20 warm-up calls. Each tree is measured in
+a process of its own (a baseline exported with `git archive`, as `benchmarks.compile_time` does), the trees in turn
+round by round; a row's numbers are the median over rounds.
 Writes benchmarks/results/draft_batch.json (+ .md).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import platform
-import time
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
 
+from benchmarks.compile_time import REPO, export_revision
+from benchmarks.results_files import save_results
+
+GOAL_MS = 3.0
+
+# Runs inside the tree being measured (its own modules on the path), so it may only use what every revision has.
+_CHILD = """
+import json, time
+import numpy as np
 from datastore import Datastore
 from datastore.paths import default_datastore_dir
 from drafter.drafter import Drafter, DrafterConfig
 from tools.prompt_sets import PROMPT_SETS
 from tools.trajectories import load_trajectories, trajectory_path
 
-RESULTS = Path(__file__).resolve().parent / "results"
-BATCH, BUDGET, CALLS, WARMUP = 64, 32, 200, 20
-FINISHED_PER_SET = 40
+BATCH, BUDGET, CALLS, WARMUP, FINISHED_PER_SET = 64, 32, 200, 20, 40
+datastore = Datastore.open(default_datastore_dir())
+trajectories, finished = [], []
+per_set = BATCH // len(PROMPT_SETS)
+for set_name in PROMPT_SETS:
+    loaded = load_trajectories(trajectory_path(set_name, "eval"))
+    trajectories += loaded[:per_set]
+    finished += loaded[per_set : per_set + FINISHED_PER_SET]
+for sources, history in (("fused", True), ("fused", False), ("input", True), ("datastore", False)):
+    drafter = Drafter(DrafterConfig(sources=sources, history_tokens=32768 if history else 0), datastores=[datastore])
+    for i, t in enumerate(finished):
+        drafter.start_request(("finished", i), t.prompt_ids)
+        drafter.extend(("finished", i), t.output_ids)
+        drafter.stop_request(("finished", i))
+    for i, t in enumerate(trajectories):
+        drafter.start_request(i, np.concatenate([t.prompt_ids, t.output_ids[:64]]))
+    batch = [(i, BUDGET) for i in range(len(trajectories))]
+    for _ in range(WARMUP):
+        drafter.draft(batch)
+    times = []
+    for _ in range(CALLS):
+        started = time.perf_counter()
+        trees = drafter.draft(batch)
+        times.append(time.perf_counter() - started)
+    ms = np.array(times) * 1e3
+    print(json.dumps({"sources": sources if history or sources == "datastore" else sources + ", no output history",
+                      "batch": len(batch), "budget": BUDGET, "p50_ms": float(np.median(ms)),
+                      "p99_ms": float(np.percentile(ms, 99)), "mean_nodes": float(np.mean([len(t) for t in trees])),
+                      "history_tokens": int(sum(o.shape[0] for o in drafter.input_index.history())),
+                      "datastore": repr(datastore)}))
+"""
 
 
-def main() -> int:
-    datastore = Datastore.open(default_datastore_dir())
-    trajectories, finished = [], []
-    per_set = BATCH // len(PROMPT_SETS)
-    for set_name in PROMPT_SETS:
-        loaded = load_trajectories(trajectory_path(set_name, "eval"))
-        trajectories += loaded[:per_set]
-        finished += loaded[per_set : per_set + FINISHED_PER_SET]
-    rows = []
-    for sources, history in (("fused", True), ("fused", False), ("input", True), ("datastore", False)):
-        drafter = Drafter(DrafterConfig(sources=sources, history_tokens=32768 if history else 0),
-                          datastores=[datastore])
-        for i, t in enumerate(finished):
-            drafter.start_request(("finished", i), t.prompt_ids)
-            drafter.extend(("finished", i), t.output_ids)
-            drafter.stop_request(("finished", i))
-        for i, t in enumerate(trajectories):
-            drafter.start_request(i, np.concatenate([t.prompt_ids, t.output_ids[:64]]))
-        batch = [(i, BUDGET) for i in range(len(trajectories))]
-        for _ in range(WARMUP):
-            drafter.draft(batch)
-        times = []
-        for _ in range(CALLS):
-            started = time.perf_counter()
-            trees = drafter.draft(batch)
-            times.append(time.perf_counter() - started)
-        ms = np.array(times) * 1e3
-        rows.append({"sources": sources if history or sources == "datastore" else f"{sources}, no output history",
-                     "batch": len(batch), "budget": BUDGET,
-                     "p50_ms": float(np.median(ms)), "p99_ms": float(np.percentile(ms, 99)),
-                     "p50_us_per_request": float(np.median(ms)) * 1e3 / len(batch),
-                     "mean_nodes": float(np.mean([len(t) for t in trees])),
-                     "history_tokens": int(sum(o.shape[0] for o in drafter.input_index.history()))})
-        print(rows[-1], flush=True)
-    fused = rows[0]
-    result = {
-        "command": "python -m benchmarks.draft_batch",
-        "machine": f"{platform.machine()}, {__import__('os').cpu_count()} cores",
-        "datastore": repr(datastore),
-        "rows": rows,
-        "summary": {"draft_ms_p50_batch64_b32": fused["p50_ms"], "goal_ms": 3.0,
-                    "goal_met": fused["p50_ms"] <= 3.0},
-    }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "draft_batch.json").write_text(json.dumps(result, indent=2) + "\n")
+def measure(tree: Path, cache: str) -> list[dict]:
+    """Every row, measured in a fresh process of `tree` (numba cache `cache`: compiled once, on the first round)."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": cache, "PYTHONPATH": str(tree)}
+    done = subprocess.run([sys.executable, "-c", _CHILD], cwd=tree, env=env, capture_output=True, text=True,
+                          timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"draft_batch in {tree} failed:\n{done.stderr[-3000:]}")
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def write_markdown(path: Path, result: dict) -> None:
+    trees = list(result["trees"])
     lines = ["# Batch drafting latency (64 requests, budget 32, default datastore)", "",
-             f"Command: `{result['command']}`. Machine: {result['machine']}. {result['datastore']}.", "",
-             "| sources | p50 ms | p99 ms | p50 µs / request | mean nodes | output history tokens |",
-             "|---|---|---|---|---|---|"]
-    lines += [f"| {r['sources']} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['p50_us_per_request']:.0f} | "
-              f"{r['mean_nodes']:.1f} | {r['history_tokens']} |" for r in rows]
-    lines += ["", f"Goal: fused p50 <= 3 ms: {'met' if result['summary']['goal_met'] else 'MISSED'}."]
-    (RESULTS / "draft_batch.md").write_text("\n".join(lines) + "\n")
+             f"Command: `{result['command']}`. Machine: {result['machine']}. {result['datastore']}. Median over "
+             f"{result['rounds']} round(s), each tree in its own process, in turn.", "",
+             "| sources | tree | p50 ms | p99 ms | p50 µs / request | mean nodes | output history tokens |",
+             "|---|---|---|---|---|---|---|"]
+    for i in range(len(result["rows"])):
+        for tree in trees:
+            r = result["trees"][tree][i]
+            lines.append(f"| {r['sources']} | {tree} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
+                         f"{r['p50_ms'] * 1e3 / r['batch']:.0f} | {r['mean_nodes']:.1f} | {r['history_tokens']} |")
+    s = result["summary"]
+    if "fused_p50_vs_baseline" in s:
+        lines += ["", f"Fused p50, this tree / baseline: {s['fused_p50_vs_baseline']:.2f}x."]
+    lines += ["", f"Goal: fused p50 <= {GOAL_MS:g} ms: {'met' if s['goal_met'] else 'MISSED'}."]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--baseline", help="a git revision of this repository to measure beside this tree")
+    parser.add_argument("--rounds", type=int, default=1)
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
+    with tempfile.TemporaryDirectory(prefix="draft-batch-") as work:
+        here = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        trees = {f"{here}{' + changes' if dirty else ''} (this tree)": REPO}
+        if args.baseline:
+            exported = Path(work) / "baseline"
+            exported.mkdir()
+            trees[export_revision(args.baseline, exported)] = exported
+        runs: dict[str, list[list[dict]]] = {name: [] for name in trees}
+        for _ in range(args.rounds):
+            for i, (name, tree) in enumerate(trees.items()):
+                runs[name].append(measure(tree, str(Path(work) / f"numba-cache-{i}")))
+                print(name, [f"{r['sources']}: {r['p50_ms']:.2f} ms" for r in runs[name][-1]], flush=True)
+    medians = {name: [{**rows[0], **{k: float(np.median([r[k] for r in rows])) for k in ("p50_ms", "p99_ms")}}
+                      for rows in zip(*per)] for name, per in runs.items()}
+    this = medians[next(iter(trees))]
+    summary = {"draft_ms_p50_batch64_b32": this[0]["p50_ms"], "goal_ms": GOAL_MS,
+               "goal_met": this[0]["p50_ms"] <= GOAL_MS}
+    if args.baseline:
+        summary["fused_p50_vs_baseline"] = this[0]["p50_ms"] / list(medians.values())[1][0]["p50_ms"]
+    result = {"command": "python -m benchmarks.draft_batch" + "".join(f" {a}" for a in (argv or sys.argv[1:])),
+              "machine": f"{platform.machine()}, {os.cpu_count()} cores", "datastore": this[0]["datastore"],
+              "rounds": args.rounds, "rows": this, "trees": medians, "summary": summary, "runs": runs}
+    print(save_results("draft_batch", result, write_markdown).read_text())
     return 0
 
 

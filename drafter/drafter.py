@@ -109,7 +109,8 @@ class Drafter:
         self._index = InputIndex(query_len=config.query_len, depth=config.input_depth,
                                  max_tokens=config.input_max_tokens, vocab_size=self.vocab_size,
                                  history_tokens=history, history_top=config.fanout)
-        # `draft_batch`'s datastores; "input" drafts without them
+        # which sources `draft_batch` reads, and its datastores ("input" drafts without them)
+        self._use_input = config.sources != "datastore"
         self._use_datastores = config.sources != "input"
         self._kernel_datastores = kernel_datastores(self.datastores if self._use_datastores else ())
         self._warm_up()
@@ -154,7 +155,7 @@ class Drafter:
         lookup, kx, ky, kn = self._cal_tables
         tables = self._index.tables
         o_tok, o_par, o_prob, o_depth, o_src, o_raw, o_mlen, o_n = draft_batch(
-            slots, budgets, tables.arrays, tables.n, cfg.sources != "datastore", self._index.history_slot,
+            slots, budgets, tables.arrays, tables.n, self._use_input, self._index.history_slot,
             self.history_source, self._index.history_top, cfg.query_len, cfg.input_depth, cfg.input_scale,
             cfg.delta_base, cfg.delta_step, self._kernel_datastores, self._use_datastores, cfg.datastore_samples,
             cfg.backoff_threshold, cfg.datastore_branch_len or 0, cfg.fanout, lookup, kx, ky, kn)

@@ -41,7 +41,8 @@ _KEY, _RAW, _DEPTH, _TOK, _REF, _SRC, _AT, _DELTA, _MLEN = range(9)
 # Integer arguments of the helpers below are passed as int64 values, never as literals or narrower ints: numba
 # compiles a jitted callee once per tuple of argument types, and a constant argument has a type of its own
 # (Literal[int](1)), so each constant call site compiled `_push` and its callers again: 8 copies of `_push`, and a
-# fresh install's first `Drafter` compiled 2.6x as long: 43 s against 16 (`benchmarks/results/compile_time.md`).
+# fresh install's first `Drafter` compiled 2.6x as long: 43 s against 16 (`benchmarks/results/compile_time.md` at
+# 8e52746).
 _ZERO = np.int64(0)
 _ONE = np.int64(1)
 _ROOT = np.int64(-1)  # tree parent of a root-level entry
