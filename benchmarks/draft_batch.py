@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -132,8 +131,10 @@ def main(argv: list[str] | None = None) -> int:
                "goal_met": this[0]["p50_ms"] <= GOAL_MS}
     if args.baseline:
         summary["fused_p50_vs_baseline"] = this[0]["p50_ms"] / list(medians.values())[1][0]["p50_ms"]
+    from trt_engines.cpu_kernels import cpu_description
+
     result = {"command": "python -m benchmarks.draft_batch" + "".join(f" {a}" for a in (argv or sys.argv[1:])),
-              "machine": f"{platform.machine()}, {os.cpu_count()} cores", "datastore": this[0]["datastore"],
+              "machine": cpu_description(), "datastore": this[0]["datastore"],
               "rounds": args.rounds, "rows": this, "trees": medians, "summary": summary, "runs": runs}
     print(save_results("draft_batch", result, write_markdown).read_text())
     return 0
