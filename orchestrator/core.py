@@ -83,6 +83,7 @@ class StepRecord:
     budget_s: float = 0.0  # the budget controller's allocation
     micro_batches: int = 1  # micro-batches the running requests took turns in (`batch` is this step's one)
     overlapped_draft_s: float = 0.0  # drafting of the next micro-batch that ran while this one was verified
+    drafted_now: int = 0  # requests drafted while the step waited (the rest of `batch` were drafted ahead)
 
 
 @dataclass
@@ -235,7 +236,7 @@ class Orchestrator:
             states = ahead or states[: -(-len(states) // micro_batches)]
 
         draft_started = time.perf_counter()
-        trees, cap, fallbacks = self._trees(states)
+        trees, cap, fallbacks, drafted_now = self._trees(states)
         draft_s = time.perf_counter() - draft_started
         context = np.array([s.context_len for s in states], dtype=np.float64)
         # This step's prefills (admissions, a chunk of a long prompt) already delayed every running request's next
@@ -295,6 +296,7 @@ class Orchestrator:
             prefill_tokens=[p[0] for p in self._prefills], prefill_s=[p[1] for p in self._prefills],
             prefill_cached=[p[2] for p in self._prefills], prefill_context=[p[3] for p in self._prefills],
             context=context.astype(int).tolist(), micro_batches=micro_batches, overlapped_draft_s=overlapped_s,
+            drafted_now=drafted_now,
         )
         self.records.append(record)
         if micro_batches > 1:  # this micro-batch goes to the back of the rotation
@@ -318,9 +320,9 @@ class Orchestrator:
         draft_s = statistics.median(self._draft_s_per_request)
         return 2 if pipelining_pays(self.budget.step_model, tokens, context, draft_s) else 1
 
-    def _trees(self, states: list[_Running]) -> tuple[list[DraftTree], int, int]:
-        """Draft trees for `states` (those drafted ahead, the rest now), the largest cap they were drafted at, and how
-        many fell back to plain decoding now."""
+    def _trees(self, states: list[_Running]) -> tuple[list[DraftTree], int, int, int]:
+        """Draft trees for `states` (those drafted ahead, the rest now), the largest cap they were drafted at, how
+        many fell back to plain decoding now, and how many were drafted now."""
         missing = [s for s in states if s.request_id not in self._drafted_ahead]
         cap, fallbacks, drafted = 0, 0, {}
         if missing:
@@ -328,7 +330,7 @@ class Orchestrator:
             trees, fallbacks = self._timed_draft(missing, cap)
             drafted = {s.request_id: (t, cap) for s, t in zip(missing, trees)}
         chosen = [drafted.get(s.request_id) or self._drafted_ahead.pop(s.request_id) for s in states]
-        return [t for t, _ in chosen], max(c for _, c in chosen), fallbacks
+        return [t for t, _ in chosen], max(c for _, c in chosen), fallbacks, len(missing)
 
     def _draft_ahead(self, states: list[_Running]) -> int:
         """Draft the next micro-batch while this one is verified; returns the fallbacks."""

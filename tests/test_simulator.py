@@ -191,8 +191,8 @@ def test_cli_errors_name_the_fix(capsys, tmp_path):
 
 def test_split_batches_reproduce_the_trajectories_and_hide_drafting(eval_trajectories, drafter):
     # Micro-batches that take turns on a simulated H100: each step verifies half the batch while the other half is
-    # drafted. Drafting a few requests on this machine takes far less than a simulated 8B step, so only the first
-    # step's drafting (nothing was drafted ahead yet) is charged.
+    # drafted, so a step waits for drafting only where nothing was drafted ahead. Counted in requests, not seconds:
+    # the drafting's wall time on a shared CI machine is not the test's to bound.
     workload = Workload(tuple(eval_trajectories), 32, tuple(closed_loop_arrivals(len(eval_trajectories))), 6)
     whole = simulate(h100(), workload, "fixed:4", drafter, host_time="draft")
     split = simulate(h100(), workload, "fixed:4", drafter, host_time="draft", micro_batches=2)
@@ -200,7 +200,9 @@ def test_split_batches_reproduce_the_trajectories_and_hide_drafting(eval_traject
     # every step splits but the last few, where one request is left and cannot be
     assert split.metrics["steps"] > split.metrics["split_steps"] > 0.8 * split.metrics["steps"]
     assert whole.metrics["split_steps"] == 0
-    assert split.metrics["host_s"] < 0.5 * whole.metrics["host_s"]
+    assert whole.metrics["drafted_ahead"] == 0
+    # all but the first micro-batch, and a request or two where finishing requests leave the turns uneven
+    assert split.metrics["drafted_ahead"] > 0.9 * split.metrics["request_steps"]
     with pytest.raises(ValueError, match="micro-batches need host_time"):
         simulate(h100(), workload, "fixed:4", drafter, host_time="measured", micro_batches=2)
 

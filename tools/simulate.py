@@ -321,6 +321,9 @@ def simulate(deployment: Deployment, workload: Workload, policy: str, drafter, *
         "mean_nodes_per_request_step": float(np.mean([np.mean(r.nodes) for r in records])) if records else 0.0,
         "steps": len(records),
         "split_steps": sum(r.micro_batches > 1 for r in records),  # steps that verified one micro-batch of several
+        "request_steps": sum(r.batch for r in records),
+        # request-steps whose trees were drafted during an earlier verify: their drafting hid behind it
+        "drafted_ahead": sum(r.batch - r.drafted_now for r in records),
         "engine_s": engine.simulated_s,
         "host_s": host_s,
     }
