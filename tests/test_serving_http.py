@@ -106,7 +106,7 @@ def test_models_health_completions_chat_and_metrics(server):
            'retrospec_requests_total{finish_reason="stop",frontend="http"}' in metrics
     for name in ("retrospec_generation_tokens_total", "retrospec_draft_nodes_total", "retrospec_accepted_tokens_total",
                  "retrospec_draft_seconds_count", "retrospec_verify_seconds_count", "retrospec_step_nodes_count",
-                 "retrospec_drafter_fallbacks_total"):
+                 "retrospec_drafter_fallbacks_total", "retrospec_drafted_ahead_request_steps_total"):
         assert name in metrics
 
 

@@ -14,6 +14,9 @@ Derived series (PromQL):
     mean verification ms             1e3 * rate(retrospec_verify_seconds_sum[1m]) / rate(retrospec_verify_seconds_count[1m])
     speculation nodes per step       rate(retrospec_step_nodes_sum[1m]) / rate(retrospec_step_nodes_count[1m])
     drafter fallback share           rate(retrospec_drafter_fallbacks_total[1m]) / rate(retrospec_request_steps_total[1m])
+    drafting hidden share            rate(retrospec_drafted_ahead_request_steps_total[1m])
+                                     / rate(retrospec_request_steps_total[1m])
+                                     (trees drafted while another micro-batch was verified; 0 without micro-batches)
     prefix-cache hit rate            rate(retrospec_cached_prompt_tokens_total[1m])
                                      / rate(retrospec_prompt_tokens_total[1m])
 
@@ -56,6 +59,9 @@ class ServingMetrics:
         self.steps = Counter("retrospec_steps", "Verification steps", registry=r)
         self.drafter_fallbacks = Counter("retrospec_drafter_fallbacks",
                                          "Request-steps decoded plainly because drafting failed", registry=r)
+        self.drafted_ahead = Counter("retrospec_drafted_ahead_request_steps",
+                                     "Request-steps verified on a tree drafted during an earlier step's verify "
+                                     "(micro-batches)", registry=r)
         self.draft_seconds = Histogram("retrospec_draft_seconds", "Drafting time per step that the step waited for",
                                        buckets=_MS_BUCKETS, registry=r)
         self.overlapped_draft_seconds = Histogram(
@@ -80,6 +86,7 @@ class ServingMetrics:
         self.realized_tokens.inc(record.realized_tokens)
         self.accepted_tokens.inc(record.realized_tokens - record.batch)
         self.drafter_fallbacks.inc(record.fallbacks)
+        self.drafted_ahead.inc(record.batch - record.drafted_now)
         self.draft_seconds.observe(record.draft_s)
         if record.micro_batches > 1:
             self.overlapped_draft_seconds.observe(record.overlapped_draft_s)
