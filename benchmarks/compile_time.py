@@ -106,6 +106,15 @@ def export_revision(revision: str, into: Path) -> str:
     return short
 
 
+def this_tree_name() -> str:
+    """How results name the working tree they ran on: HEAD's short hash, marked where tracked files changed."""
+    here = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                          check=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                           capture_output=True, text=True, check=True).stdout.strip()
+    return f"{here}{' + changes' if dirty else ''} (this tree)"
+
+
 def write_markdown(path: Path, result: dict) -> None:
     trees = list(result["trees"])
     lines = ["# compile_time: what a fresh install compiles before it serves", "",
@@ -136,11 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     from trt_engines.cpu_kernels import cpu_description
 
     with tempfile.TemporaryDirectory(prefix="compile-baseline-") as exported:
-        here = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, check=True).stdout.strip()
-        trees = {f"{here}{' + changes' if dirty else ''} (this tree)": REPO}
+        trees = {this_tree_name(): REPO}
         if args.baseline:
             trees[export_revision(args.baseline, Path(exported))] = Path(exported)
         runs: dict[str, dict[str, list[dict]]] = {name: {c: [] for c in COMPONENTS} for name in trees}

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.compile_time import REPO, export_revision
+from benchmarks.compile_time import REPO, export_revision, this_tree_name
 from benchmarks.results_files import save_results
 
 GOAL_MS = 3.0
@@ -110,11 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
     with tempfile.TemporaryDirectory(prefix="draft-batch-") as work:
-        here = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, check=True).stdout.strip()
-        trees = {f"{here}{' + changes' if dirty else ''} (this tree)": REPO}
+        trees = {this_tree_name(): REPO}
         if args.baseline:
             exported = Path(work) / "baseline"
             exported.mkdir()
