@@ -80,10 +80,17 @@ class OnlineRecalibration:
         depths = np.ascontiguousarray(depths, dtype=np.int64)
         sources = _as_sources(sources)
         _check_nodes(probs, depths, sources, parents=_NO_PARENTS if parents is None else parents)
-        if self._stale and probs.size:
+        if not probs.size:
+            return np.zeros(0)
+        return _interpolate(probs, depths, sources, _NO_PARENTS if parents is None else parents, *self.maps())
+
+    def maps(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`_interpolate`'s maps as they stand (refitted first if new steps were observed): the depth buckets' starts,
+        the knots' probabilities, and each bucket's knot values. For a caller that values nodes inside its own
+        kernel (the budget controller's `_goodput_curve`)."""
+        if self._stale:
             self._refit()
-        return _interpolate(probs, depths, sources, _NO_PARENTS if parents is None else parents, DEPTH_BUCKET_STARTS,
-                            self._knots_x, self._knots_y)
+        return DEPTH_BUCKET_STARTS, self._knots_x, self._knots_y
 
     @property
     def ratios(self) -> np.ndarray:

@@ -243,12 +243,14 @@ class StepTimeModel:
         "padded": every request pays for the deepest tree over the longest context. Otherwise each request is priced
         alone (packed), with `attention_calls` extra attention calls whatever is added (the budget controller
         prices grouping separately)."""
-        features = _prefix_features(self._rate_table, self.shape.n_layers,
-                                    np.ascontiguousarray(context, dtype=np.float64),
-                                    self.attention_layout == "padded", float(attention_calls),
-                                    np.ascontiguousarray(candidate_context, dtype=np.float64),
+        return _prefix_step_seconds(*self.prefix_pricing(), np.ascontiguousarray(context, dtype=np.float64),
+                                    float(attention_calls), np.ascontiguousarray(candidate_context, dtype=np.float64),
                                     np.ascontiguousarray(candidate_rank, dtype=np.float64))
-        return features @ self.coefficients
+
+    def prefix_pricing(self) -> tuple[np.ndarray, int, bool, np.ndarray]:
+        """The model's own arguments of `_prefix_step_seconds` (rate table, layers, padded layout, coefficients),
+        for a caller that prices the prefixes inside its own kernel (the budget controller's `_goodput_curve`)."""
+        return self._rate_table, self.shape.n_layers, self.attention_layout == "padded", self.coefficients
 
     def plain_step(self, context) -> tuple[float, float]:
         """Predicted seconds of a plain decoding step (one token per request over `context`) and its attention calls
@@ -327,6 +329,20 @@ def _attention_one(rates, n_layers, tokens, context):
     keys = tokens + context
     per_layer = max(rates[13] * tokens * keys, rates[14] * keys + rates[15] * tokens)
     return n_layers * per_layer if tokens > 0 else 0.0
+
+
+@nb.njit(cache=True)
+def _prefix_step_seconds(rates, n_layers, padded, coefficients, context, attention_calls, candidate_context,
+                         candidate_rank):
+    """`StepTimeModel.prefix_seconds`: each prefix's feature row (`_prefix_features`) times the coefficients."""
+    features = _prefix_features(rates, n_layers, context, padded, attention_calls, candidate_context, candidate_rank)
+    seconds = np.empty(features.shape[0])
+    for k in range(features.shape[0]):
+        total = 0.0
+        for j in range(features.shape[1]):
+            total += features[k, j] * coefficients[j]
+        seconds[k] = total
+    return seconds
 
 
 @nb.njit(cache=True)
