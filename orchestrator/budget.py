@@ -692,9 +692,10 @@ def _goodput_curve(sizes, local_parents, node_probs, node_depths, node_sources, 
     recalibration's maps, ordered best first (`_order_candidates`), and every prefix of that order priced
     (`_prefix_step_seconds`) and scored. Returns, in that order, each candidate's request, probs, value, index within
     its tree and rank within its request, then per prefix (k = 0..n) its expected worth, model seconds, corrected
-    seconds and score. Five kernels and the array operations between them had cost a cap-1 CPU step ~0.1 ms more
-    (0.36 against 0.26 ms of allocation per step, side by side on MT-Bench): each Python-level call pays its dispatch
-    on caches the verify has just left cold."""
+    seconds and score. Called one by one, five kernels and the array operations between them cost each cap-1 CPU
+    step up to 0.1 ms more: each Python-level call pays its dispatch on caches the verify has just left cold
+    (goodput's allocation per MT-Bench cap-1 step, `throughput_avx2.json`'s time split: 0.342 ms at e31973d, 0.264
+    ms at d1d812c)."""
     owner, parents = _batch_layout(sizes, local_parents)
     values = _interpolate(node_probs, node_depths, node_sources, parents, bucket_starts, knots_x, knots_y)
     owner, probs, value, index, rank, cumulative = _order_candidates(owner, sizes, values, factors, token_worth)
