@@ -106,8 +106,8 @@ import numba as nb
 import numpy as np
 
 from drafter.tree import DraftTree
-from orchestrator.recalibration import OnlineRecalibration, _interpolate
-from orchestrator.roofline import StepTimeModel, _prefix_step_seconds
+from orchestrator.recalibration import OnlineRecalibration, recalibrated_values
+from orchestrator.roofline import StepTimeModel, prefix_step_seconds
 from trt_engines.attention_groups import MAX_GROUPS
 
 _SSSD_KNEES = (16, 32, 48, 64, 96, 128, 160, 192)
@@ -474,7 +474,7 @@ class BudgetController:
         return self.step_model.prefix_seconds(context, context[owner], rank_in_owner, plain_calls)
 
     def _cost_terms(self) -> np.ndarray:
-        """[plain_scale, marginal_scale, speculation_overhead]: what `_speculating_seconds` corrects model seconds by."""
+        """[plain_scale, marginal_scale, speculation_overhead]: how `_speculating_seconds` corrects model seconds."""
         return np.array([self.plain_scale, self.marginal_scale, self.speculation_overhead])
 
     def _grouped_goodput(self, keep, owner, expected, context, objective: "_Objective", tpot_limit: float, plain_s,
@@ -690,16 +690,16 @@ def _goodput_curve(sizes, local_parents, node_probs, node_depths, node_sources, 
                    drain, plain_worth, draft_s, tpot_limit):
     """`_goodput_nodes`' curve in one compiled call: the candidates of trees laid end to end, valued on the
     recalibration's maps, ordered best first (`_order_candidates`), and every prefix of that order priced
-    (`_prefix_step_seconds`) and scored. Returns, in that order, each candidate's request, probs, value, index within
+    (`prefix_step_seconds`) and scored. Returns, in that order, each candidate's request, probs, value, index within
     its tree and rank within its request, then per prefix (k = 0..n) its expected worth, model seconds, corrected
     seconds and score. Called one by one, five kernels and the array operations between them cost each cap-1 CPU
     step up to 0.1 ms more: each Python-level call pays its dispatch on caches the verify has just left cold
     (goodput's allocation per MT-Bench cap-1 step, `throughput_avx2.json`'s time split: 0.342 ms at e31973d, 0.264
     ms at d1d812c)."""
     owner, parents = _batch_layout(sizes, local_parents)
-    values = _interpolate(node_probs, node_depths, node_sources, parents, bucket_starts, knots_x, knots_y)
+    values = recalibrated_values(node_probs, node_depths, node_sources, parents, bucket_starts, knots_x, knots_y)
     owner, probs, value, index, rank, cumulative = _order_candidates(owner, sizes, values, factors, token_worth)
-    model_s = _prefix_step_seconds(rates, n_layers, padded, coefficients, context, attention_calls, context[owner],
+    model_s = prefix_step_seconds(rates, n_layers, padded, coefficients, context, attention_calls, context[owner],
                                    rank)
     expected = plain_worth + cumulative
     step_s, score = _score_curve(model_s, expected, cost_terms, drain, draft_s, tpot_limit)

@@ -82,12 +82,12 @@ class OnlineRecalibration:
         _check_nodes(probs, depths, sources, parents=_NO_PARENTS if parents is None else parents)
         if not probs.size:
             return np.zeros(0)
-        return _interpolate(probs, depths, sources, _NO_PARENTS if parents is None else parents, *self.maps())
+        return recalibrated_values(probs, depths, sources, _NO_PARENTS if parents is None else parents, *self.maps())
 
     def maps(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """`_interpolate`'s maps as they stand (refitted first if new steps were observed): the depth buckets' starts,
-        the knots' probabilities, and each bucket's knot values. For a caller that values nodes inside its own
-        kernel (the budget controller's `_goodput_curve`)."""
+        """The maps `recalibrated_values` reads, as they stand (refitted first if new steps were observed): the depth
+        buckets' starts, the knots' probabilities, and each bucket's knot values. For a caller that values nodes
+        inside its own kernel (the budget controller's `_goodput_curve`)."""
         if self._stale:
             self._refit()
         return DEPTH_BUCKET_STARTS, self._knots_x, self._knots_y
@@ -139,7 +139,7 @@ def _as_sources(sources: np.ndarray | None) -> np.ndarray:
 
 def _check_nodes(probs: np.ndarray, depths: np.ndarray, sources: np.ndarray, parents: np.ndarray = _NO_PARENTS):
     """The kernels index these arrays per node without bounds checks: one 1-D length for all (empty sources and
-    parents: none given). `_interpolate` checks, in its own loop, that every parent comes before its child."""
+    parents: none given). `recalibrated_values` checks, in its own loop, that every parent comes before its child."""
     n = probs.shape[0] if probs.ndim == 1 else -1
     mismatched = [a for a in (sources, parents) if a.size and a.shape != (n,)]
     if n < 0 or depths.shape != (n,) or mismatched:
@@ -217,7 +217,7 @@ def _decay_and_add(predicted, realized, nodes, decay, probs, depths, sources, ac
 
 
 @nb.njit(cache=True)
-def _interpolate(probs, depths, sources, parents, bucket_starts, knots_x, knots_y) -> np.ndarray:
+def recalibrated_values(probs, depths, sources, parents, bucket_starts, knots_x, knots_y) -> np.ndarray:
     """Each node's value on its bucket's map (`_bucket`; empty `sources`: every node the request's own), capped
     at its parent's value where `parents` is not empty (global indices, parents first: a parent at or after its
     child would read a value not yet written, so it is refused)."""

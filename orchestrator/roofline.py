@@ -243,12 +243,12 @@ class StepTimeModel:
         "padded": every request pays for the deepest tree over the longest context. Otherwise each request is priced
         alone (packed), with `attention_calls` extra attention calls whatever is added (the budget controller
         prices grouping separately)."""
-        return _prefix_step_seconds(*self.prefix_pricing(), np.ascontiguousarray(context, dtype=np.float64),
+        return prefix_step_seconds(*self.prefix_pricing(), np.ascontiguousarray(context, dtype=np.float64),
                                     float(attention_calls), np.ascontiguousarray(candidate_context, dtype=np.float64),
                                     np.ascontiguousarray(candidate_rank, dtype=np.float64))
 
     def prefix_pricing(self) -> tuple[np.ndarray, int, bool, np.ndarray]:
-        """The model's own arguments of `_prefix_step_seconds` (rate table, layers, padded layout, coefficients),
+        """The model's own arguments of `prefix_step_seconds` (rate table, layers, padded layout, coefficients),
         for a caller that prices the prefixes inside its own kernel (the budget controller's `_goodput_curve`)."""
         return self._rate_table, self.shape.n_layers, self.attention_layout == "padded", self.coefficients
 
@@ -332,7 +332,7 @@ def _attention_one(rates, n_layers, tokens, context):
 
 
 @nb.njit(cache=True)
-def _prefix_step_seconds(rates, n_layers, padded, coefficients, context, attention_calls, candidate_context,
+def prefix_step_seconds(rates, n_layers, padded, coefficients, context, attention_calls, candidate_context,
                          candidate_rank):
     """`StepTimeModel.prefix_seconds`: each prefix's feature row (`_prefix_features`) times the coefficients."""
     features = _prefix_features(rates, n_layers, context, padded, attention_calls, candidate_context, candidate_rank)
