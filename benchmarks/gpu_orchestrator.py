@@ -18,7 +18,8 @@ says nothing about real text. Two things are measured:
    two forced. That random model hardly repeats itself, so the drafter also gets a datastore of its own greedy
    continuations of every other prompt: half the requests find their answer retrieved (retrieval's best case), the
    other half only what their prompt and output repeat. Output tokens/s, tokens per request-step, tree nodes per
-   request-step, steps split into micro-batches, drafting hidden behind verifies, and the step-time model's median
+   request-step, steps split into micro-batches, request-steps drafted ahead (during another micro-batch's verify) and
+   the seconds of drafting that hid behind verifies, and the step-time model's median
    error (the datasheet roofline fitted at start-up by `fit_step_model`, then refit online from the steps).
 
 `--passes 2` serves each cap's runs twice over the same prompts and reports both passes. `none` and `fixed:B`
@@ -137,6 +138,9 @@ def _summary(run, policy: str, micro_batches: int | None, cap: int) -> dict:
         "nodes_per_request_step": sum(sum(r.nodes) for r in records) / max(request_steps, 1),
         "steps": len(records), "split_steps": sum(r.micro_batches > 1 for r in records),
         "drafting_hidden_s": sum(r.overlapped_draft_s for r in records),
+        # request-steps verified on a tree drafted during another micro-batch's verify (`StepRecord.drafted_now`)
+        "request_steps": request_steps,
+        "drafted_ahead_request_steps": request_steps - sum(r.drafted_now for r in records),
         "drafting_waited_s": sum(r.draft_s for r in records),
         "verify_s": sum(r.measured_s for r in records),
         "tree_steps": int(tree.sum()),
@@ -237,14 +241,15 @@ def write_markdown(path: Path, result: dict) -> None:
                   + f". Step-time model: {s['hardware']} roofline, fitted at start-up (median error on the sweep "
                   f"{s['fit_error']:.1%}), refit online.", "",
                   "| cap | " + ("pass | " if passes else "") + "policy | micro-batches | tok/s | x none | tokens / "
-                  "request-step | nodes / request-step | steps split | drafting hidden s | drafting waited s | "
-                  "verify s | step model err | same as none |",
-                  "|---|" + ("---|" if passes else "") + "---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "request-step | nodes / request-step | steps split | drafted ahead | drafting hidden s | "
+                  "drafting waited s | verify s | step model err | same as none |",
+                  "|---|" + ("---|" if passes else "") + "---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         lines += [f"| {r['cap']} | " + (f"{r['pass']} | " if passes else "")
                   + f"{r['policy']} | {r['micro_batches']} | {r['tokens_per_s']:.1f} | "
                   f"{r['speedup_over_none']:.2f} | {r['tokens_per_request_step']:.2f} | "
                   f"{r['nodes_per_request_step']:.1f} | "
-                  f"{r['split_steps']}/{r['steps']} | {r['drafting_hidden_s']:.2f} | {r['drafting_waited_s']:.2f} | "
+                  f"{r['split_steps']}/{r['steps']} | {_drafted_ahead(r)} | {r['drafting_hidden_s']:.2f} | "
+                  f"{r['drafting_waited_s']:.2f} | "
                   f"{r['verify_s']:.2f} | {r['step_model_median_abs_err'] or 0:.1%} | "
                   f"{r['identical_to_none_fraction']:.0%} |"
                   for r in s["rows"]]
@@ -252,6 +257,13 @@ def write_markdown(path: Path, result: dict) -> None:
     if result.get("notes"):
         lines += ["## Notes", ""] + [line for note in result["notes"] for line in (note, "")]
     path.write_text("\n".join(lines) + "\n")
+
+
+def _drafted_ahead(row: dict) -> str:
+    """Request-steps drafted ahead / all request-steps; '-' in results written before the count existed (6694b26)."""
+    if "drafted_ahead_request_steps" not in row:
+        return "-"
+    return f"{row['drafted_ahead_request_steps']}/{row['request_steps']}"
 
 
 def _run_label(row: dict) -> str:
