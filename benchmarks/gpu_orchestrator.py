@@ -138,9 +138,8 @@ def _summary(run, policy: str, micro_batches: int | None, cap: int) -> dict:
         "nodes_per_request_step": sum(sum(r.nodes) for r in records) / max(request_steps, 1),
         "steps": len(records), "split_steps": sum(r.micro_batches > 1 for r in records),
         "drafting_hidden_s": sum(r.overlapped_draft_s for r in records),
-        # request-steps verified on a tree drafted during another micro-batch's verify (`StepRecord.drafted_now`)
         "request_steps": request_steps,
-        "drafted_ahead_request_steps": request_steps - sum(r.drafted_now for r in records),
+        "drafted_ahead_request_steps": sum(r.drafted_ahead for r in records),  # `StepRecord.drafted_ahead`
         "drafting_waited_s": sum(r.draft_s for r in records),
         "verify_s": sum(r.measured_s for r in records),
         "tree_steps": int(tree.sum()),

@@ -85,6 +85,11 @@ class StepRecord:
     overlapped_draft_s: float = 0.0  # drafting of the next micro-batch that ran while this one was verified
     drafted_now: int = 0  # requests drafted while the step waited (the rest of `batch` were drafted ahead)
 
+    @property
+    def drafted_ahead(self) -> int:
+        """Requests verified on a tree drafted during an earlier step's verify (micro-batches): drafting hidden."""
+        return self.batch - self.drafted_now
+
 
 @dataclass
 class _Running:

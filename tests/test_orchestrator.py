@@ -223,11 +223,11 @@ def test_cancel_between_micro_batches_drops_the_tree_drafted_ahead(engine, datas
                                lambda out: outputs.setdefault(out.request_id, []).append(out), request_id=f"c{i}")
            for i, p in enumerate(prompt_ids[:4])]
     first = orchestrator.step()  # verifies c0 and c1 while c2 and c3 are drafted ahead
-    assert first.batch == 2 and first.micro_batches == 2 and first.drafted_now == 2  # nothing was drafted ahead yet
+    assert first.batch == 2 and first.micro_batches == 2 and first.drafted_ahead == 0  # nothing was drafted yet
     assert orchestrator.cancel("c2")  # drafted ahead, not verified yet
     assert outputs["c2"][-1].finish_reason == FinishReason.CANCELLED
     second = orchestrator.step()
-    assert second.batch == 1 and second.drafted_now == 0  # c3 alone, on its tree drafted ahead: c2's went with it
+    assert second.batch == 1 and second.drafted_ahead == 1  # c3 alone, on its tree drafted ahead: c2's went with it
     orchestrator.run_until_idle()
     orchestrator.close()
     for i in (0, 1, 3):

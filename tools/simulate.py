@@ -322,8 +322,7 @@ def simulate(deployment: Deployment, workload: Workload, policy: str, drafter, *
         "steps": len(records),
         "split_steps": sum(r.micro_batches > 1 for r in records),  # steps that verified one micro-batch of several
         "request_steps": sum(r.batch for r in records),
-        # request-steps whose trees were drafted during an earlier verify: their drafting hid behind it
-        "drafted_ahead": sum(r.batch - r.drafted_now for r in records),
+        "drafted_ahead": sum(r.drafted_ahead for r in records),  # their drafting hid behind an earlier verify
         "engine_s": engine.simulated_s,
         "host_s": host_s,
     }

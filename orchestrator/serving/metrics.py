@@ -86,7 +86,7 @@ class ServingMetrics:
         self.realized_tokens.inc(record.realized_tokens)
         self.accepted_tokens.inc(record.realized_tokens - record.batch)
         self.drafter_fallbacks.inc(record.fallbacks)
-        self.drafted_ahead.inc(record.batch - record.drafted_now)
+        self.drafted_ahead.inc(record.drafted_ahead)
         self.draft_seconds.observe(record.draft_s)
         if record.micro_batches > 1:
             self.overlapped_draft_seconds.observe(record.overlapped_draft_s)
