@@ -54,7 +54,7 @@ def _digest(log: str) -> str:
 @pytest.fixture(scope="module")
 def kernel_runs(tmp_path_factory):
     """This module's two runs in fresh processes, both started when the module's first test starts. Each compiles
-    every kernel it uses afresh (the engine's alone compile for 62-69 s in a fresh process, `compile_time.md`, on
+    every kernel it uses afresh (the engine's alone compile for ~46 s in a fresh process, `compile_time.md`, on
     one core: numba compiles single-threaded), so they run beside this process's own tests, which compile theirs,
     rather than one after another (`make test`'s budget). A run of a single test of this module starts them too,
     and stops them when the module ends."""

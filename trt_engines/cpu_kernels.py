@@ -45,7 +45,7 @@ import numba
 import numpy as np
 import torch
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import literally, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 from torch import Tensor
@@ -1030,13 +1030,106 @@ def _softmax_weights(weights, m, power_bits):
     return total
 
 
+# No fast-math (see `_dot_products`). The numpy error model, as a parallel loop's body has: a division by zero gives
+# inf or nan rather than raising, and divisions carry no check.
+@njit(boundscheck=False, error_model="numpy", cache=_CACHE)
+def _attention_task(head_dim, copied, q, k_pool, v_pool, s, kv, first, count, row_start, rows, ctx, key_start,
+                    key_slots, mask_start, mask, reach, one_run, group, scale, out):
+    """One task of `_tree_attention_kernel`: `count` (> 0) query rows from `first` of segment s's rows under the
+    heads that share KV head kv. `head_dim` is compiled in as a constant (`literally`), so the loops over it unroll.
+    `copied`: None where the micro-kernels read the keys and values from the pool through their slots, True where
+    the task computes on widened copies of them (`_tree_attention_kernel`); a None argument is a type of its own, so
+    numba compiles only the way taken.
+
+    A function of its own rather than the body of the kernel's `prange` loop: numba's parallel passes copy and
+    rewrite a loop's whole body several times, and with the micro-kernels inlined there that was most of the engine's
+    compiling on a fresh install: the kernel for head_dim 64 compiled in 41.9 s, 18.4 s with this task function, to
+    the same bits and within 0.96-1.09x the time (one-off A/B in one process, 2-core AVX2 EPYC)."""
+    dim = literally(head_dim)
+    value_width = (dim + LANES - 1) // LANES * LANES
+    score_width = (dim + SCORE_LANES - 1) // SCORE_LANES * SCORE_LANES  # <= value_width
+    n, c, r0 = rows[s], ctx[s], row_start[s]
+    # only the keys some row of the task sees: a prefill's early rows skip the later tokens' keys (half of a
+    # causal prefill's work); keys past a row's reach weigh exactly 0 for it, so dropping them changes no bit
+    last = 0
+    for row in range(count):
+        last = max(last, reach[r0 + (first + row) % n])
+    keys = c + last + 1
+    slots = key_slots[key_start[s]:key_start[s] + keys]
+    q_bits = np.zeros((count, score_width), np.uint32)
+    for row in range(count):
+        g, i = divmod(first + row, n)
+        for d in range(dim):
+            q_bits[row, d] = _widen(q[r0 + i, kv * group + g, d])
+    scores = np.empty((count, (keys + SCORE_LANES - 1) // SCORE_LANES * SCORE_LANES), np.float32)
+    if copied is None:  # keys and values read from the pool through their slots, widened in registers
+        _scores(q_bits.view(np.float32), k_pool[kv], scores, score_width, keys, slots)
+    else:
+        kv_bits = np.empty((keys, value_width), np.uint32)
+        kv_bits[:, dim:] = 0  # the spare lanes of keys and values hold 0
+        _gather_widened(k_pool, kv, slots, kv_bits, dim)
+        _scores(q_bits.view(np.float32), kv_bits.view(np.float32), scores, score_width, keys, None)
+        _gather_widened(v_pool, kv, slots, kv_bits, dim)  # the keys are done with: the buffer takes the values
+    # each row's softmax weights over all the segment's keys, exactly 0 where it may not look: a weight-0
+    # key adds exactly nothing to a chain of fused multiply-adds, so the weighted sum below equals the chain
+    # over the row's visible keys alone, in slot order
+    probs = np.zeros((count, keys), np.float32)
+    totals = np.empty(count, np.float32)
+    visible = np.arange(keys)
+    weights = np.empty(keys, np.float32)
+    power_bits = np.empty(keys, np.uint32)
+    for row in range(count):
+        g, i = divmod(first + row, n)
+        # the keys this row sees, in slot order: its context, then its ancestors and itself. For a draft
+        # token that is exactly the key list plain decoding of its path sees, so everything below, which
+        # depends only on that list (its length fixes how the softmax's sums split into vector lanes),
+        # matches plain decoding bitwise. The leading keys it sees without a gap (its context, and all of
+        # them where it sees its segment's new tokens 0 .. reach: a causal prefill's rows, a chain's) are
+        # contiguous, so their copies vectorise; only the rest go through the mask, one by one. Through the
+        # mask, a prefill's rows spent a third or more of its attention there: with the one run, prefills
+        # of 512 / 2048 tokens took 0.94x / 0.82x the time, their attention 0.66x / 0.61x
+        # (`prefill_attention.md`, AVX2 EPYC).
+        run = c + reach[r0 + i] + 1 if one_run[r0 + i] else c
+        for t in range(run):
+            weights[t] = scores[row, t] * scale
+        m = run
+        for j in range(0 if one_run[r0 + i] else reach[r0 + i] + 1):
+            if mask[mask_start[s] + i * n + j]:
+                visible[m] = c + j
+                weights[m] = scores[row, c + j] * scale
+                m += 1
+        totals[row] = _softmax_weights(weights, m, power_bits)
+        for t in range(run):
+            probs[row, t] = weights[t]
+        for t in range(run, m):
+            probs[row, visible[t]] = weights[t]
+    weighted = np.empty((count, value_width), np.float32)
+    if copied is None:
+        _times_tiles(probs, v_pool[kv], 0, 0, 0, LANES, value_width // LANES, keys, weighted, 0, slots)
+    else:
+        _times_tiles(probs, kv_bits.view(np.float32), 0, 0, 0, LANES, value_width // LANES, keys, weighted,
+                     0, None)
+    for row in range(count):
+        g, i = divmod(first + row, n)
+        h = kv * group + g
+        for d in range(dim):
+            weighted[row, d] /= totals[row]
+        _store_run(out, r0 + i, h * dim, weighted[row], 0, dim)
+
+
 @functools.cache
 def _tree_attention_kernel(head_dim: int, widened_copy: bool = False):
     """The attention kernel compiled for one head_dim: a constant there, so the loops over it unroll.
     `widened_copy`: each task copies its keys and values out of the pool, widened to fp32, and computes on the copy,
     as every task did before the micro-kernels learnt to read the pool (for comparisons: the same bits)."""
+    # Where head_dim is a whole number of value tiles (64, 128), the micro-kernels read the pool's bf16 rows through
+    # the slots, widened in registers; otherwise each task widens its keys and values into a copy padded with zeros.
+    # Writing that copy and reading it back cost more than reading the pool: in whole verify steps
+    # (`benchmarks/results/cpu_attention.md`, AVX2 EPYC) the pool's attention took 0.73-0.92x the copies', a plain
+    # step's at 2048 keys 5.1 ms against 6.9.
+    copied = None if head_dim % LANES == 0 and not widened_copy else True
 
-    @njit(parallel=True, boundscheck=False, cache=_CACHE)  # no fast-math: see `_dot_products`
+    @njit(parallel=True, boundscheck=False, cache=_CACHE)
     def kernel(q, k_pool, v_pool, row_start, rows, ctx, key_start, key_slots, mask_start, mask, reach, one_run,
                task_segment, task_kv, task_first, task_rows, group, scale, out):
         """softmax(q k^T * scale) v for every query row, over its visible keys only (module docstring). A task is
@@ -1050,86 +1143,11 @@ def _tree_attention_kernel(head_dim: int, widened_copy: bool = False):
         it sees, and `one_run` is 1 where it sees all of them up to there (a prefill's or a chain's rows). Scores,
         softmax and the weighted sum run in fp32; `out` may be fp32. A task of 0 rows is padding
         (`TreeAttentionLayout.tasks`)."""
-        dim = head_dim
-        value_width = (dim + LANES - 1) // LANES * LANES
-        score_width = (dim + SCORE_LANES - 1) // SCORE_LANES * SCORE_LANES  # <= value_width
-        # Where head_dim is a whole number of value tiles (64, 128), the micro-kernels read the pool's bf16 rows
-        # through the slots, widened in registers; otherwise each task widens its keys and values into a copy padded
-        # with zeros. Writing that copy and reading it back cost more than reading the pool: in whole verify steps
-        # (`benchmarks/results/cpu_attention.md`, AVX2 EPYC) the pool's attention took 0.73-0.92x the copies', a plain
-        # step's at 2048 keys 5.1 ms against 6.9.
-        in_place = value_width == dim and not widened_copy
         for task in prange(task_segment.shape[0]):
-            s, kv, first, count = task_segment[task], task_kv[task], task_first[task], task_rows[task]
-            if count == 0:
-                continue
-            n, c, r0 = rows[s], ctx[s], row_start[s]
-            # only the keys some row of the task sees: a prefill's early rows skip the later tokens' keys (half of a
-            # causal prefill's work); keys past a row's reach weigh exactly 0 for it, so dropping them changes no bit
-            last = 0
-            for row in range(count):
-                last = max(last, reach[r0 + (first + row) % n])
-            keys = c + last + 1
-            slots = key_slots[key_start[s]:key_start[s] + keys]
-            q_bits = np.zeros((count, score_width), np.uint32)
-            for row in range(count):
-                g, i = divmod(first + row, n)
-                for d in range(dim):
-                    q_bits[row, d] = _widen(q[r0 + i, kv * group + g, d])
-            scores = np.empty((count, (keys + SCORE_LANES - 1) // SCORE_LANES * SCORE_LANES), np.float32)
-            if in_place:  # keys and values read from the pool through their slots, widened in registers
-                _scores(q_bits.view(np.float32), k_pool[kv], scores, score_width, keys, slots)
-            else:
-                kv_bits = np.empty((keys, value_width), np.uint32)
-                kv_bits[:, dim:] = 0  # the spare lanes of keys and values hold 0
-                _gather_widened(k_pool, kv, slots, kv_bits, dim)
-                _scores(q_bits.view(np.float32), kv_bits.view(np.float32), scores, score_width, keys, None)
-                _gather_widened(v_pool, kv, slots, kv_bits, dim)  # the keys are done with: the buffer takes the values
-            # each row's softmax weights over all the segment's keys, exactly 0 where it may not look: a weight-0
-            # key adds exactly nothing to a chain of fused multiply-adds, so the weighted sum below equals the chain
-            # over the row's visible keys alone, in slot order
-            probs = np.zeros((count, keys), np.float32)
-            totals = np.empty(count, np.float32)
-            visible = np.arange(keys)
-            weights = np.empty(keys, np.float32)
-            power_bits = np.empty(keys, np.uint32)
-            for row in range(count):
-                g, i = divmod(first + row, n)
-                # the keys this row sees, in slot order: its context, then its ancestors and itself. For a draft
-                # token that is exactly the key list plain decoding of its path sees, so everything below, which
-                # depends only on that list (its length fixes how the softmax's sums split into vector lanes),
-                # matches plain decoding bitwise. The leading keys it sees without a gap (its context, and all of
-                # them where it sees its segment's new tokens 0 .. reach: a causal prefill's rows, a chain's) are
-                # contiguous, so their copies vectorise; only the rest go through the mask, one by one. Through the
-                # mask, a prefill's rows spent a third or more of its attention there: with the one run, prefills
-                # of 512 / 2048 tokens took 0.94x / 0.82x the time, their attention 0.66x / 0.61x
-                # (`prefill_attention.md`, AVX2 EPYC).
-                run = c + reach[r0 + i] + 1 if one_run[r0 + i] else c
-                for t in range(run):
-                    weights[t] = scores[row, t] * scale
-                m = run
-                for j in range(0 if one_run[r0 + i] else reach[r0 + i] + 1):
-                    if mask[mask_start[s] + i * n + j]:
-                        visible[m] = c + j
-                        weights[m] = scores[row, c + j] * scale
-                        m += 1
-                totals[row] = _softmax_weights(weights, m, power_bits)
-                for t in range(run):
-                    probs[row, t] = weights[t]
-                for t in range(run, m):
-                    probs[row, visible[t]] = weights[t]
-            weighted = np.empty((count, value_width), np.float32)
-            if in_place:
-                _times_tiles(probs, v_pool[kv], 0, 0, 0, LANES, value_width // LANES, keys, weighted, 0, slots)
-            else:
-                _times_tiles(probs, kv_bits.view(np.float32), 0, 0, 0, LANES, value_width // LANES, keys, weighted,
-                             0, None)
-            for row in range(count):
-                g, i = divmod(first + row, n)
-                h = kv * group + g
-                for d in range(dim):
-                    weighted[row, d] /= totals[row]
-                _store_run(out, r0 + i, h * dim, weighted[row], 0, dim)
+            if task_rows[task] > 0:
+                _attention_task(head_dim, copied, q, k_pool, v_pool, task_segment[task], task_kv[task],
+                                task_first[task], task_rows[task], row_start, rows, ctx, key_start, key_slots,
+                                mask_start, mask, reach, one_run, group, scale, out)
 
     return kernel
 
