@@ -422,11 +422,12 @@ class BudgetController:
         # plain decoding that drafts nothing, which steers the next steps' drafting.
         sizes = np.array([len(t) for t in trees], dtype=np.int64)
         tpot_limit = _tpot_limit(tpot_s)
+        cost_terms = self._cost_terms()
         owner, probs, value, index, rank_in_owner, expected, model_s, step_s, goodput = _goodput_curve(
             sizes, np.concatenate([t.parents for t in trees] + [np.empty(0, np.int32)]), *candidates,
             *self.recalibration.maps(), np.ascontiguousarray(factors, dtype=np.float64),
             np.ascontiguousarray(objective.token_worth, dtype=np.float64), *model.prefix_pricing(), context,
-            plain_calls, self._cost_terms(), objective.drain, objective.plain_worth, objective.draft_s, tpot_limit)
+            plain_calls, cost_terms, objective.drain, objective.plain_worth, objective.draft_s, tpot_limit)
         k = int(goodput.argmax())  # first maximum: the fewest nodes that reach the best goodput
         keep = np.arange(k)  # positions in the candidate order of the chosen nodes
         best = goodput[k]
@@ -441,16 +442,17 @@ class BudgetController:
             # shape, one call). Small batches too: every call beyond one per layer costs host work (the step-time
             # model's `attention_calls` feature; ~4 ms of a 75 ms step at batch 4 on the CPU), which the packed
             # pricing cannot see: at cap 4, goodput's uneven trees took 4 calls where `fixed:4`'s took one.
-            best = self._grouped_goodput(keep, owner, expected[k], context, objective, tpot_limit, plain_s, priced)
+            best = self._grouped_goodput(keep, owner, expected[k], context, objective, tpot_limit, plain_s,
+                                         cost_terms, priced)
             for cap in (1, 2, 4, 8):
                 within = np.flatnonzero(rank_in_owner < cap)
                 sub_expected = objective.plain_worth + np.concatenate([[0.0], np.cumsum(value[within])])
                 sub_s = self._prefix_seconds(owner[within], rank_in_owner[within], context, plain_calls)
-                sub_goodput = _score_curve(sub_s, sub_expected, self._cost_terms(), objective.drain,
+                sub_goodput = _score_curve(sub_s, sub_expected, cost_terms, objective.drain,
                                            objective.draft_s, tpot_limit)[1]
                 for sub_k in {int(np.argmax(sub_goodput)), within.size} - {0}:
                     candidate = self._grouped_goodput(within[:sub_k], owner, sub_expected[sub_k], context, objective,
-                                                      tpot_limit, plain_s, priced)
+                                                      tpot_limit, plain_s, cost_terms, priced)
                     if candidate > best:
                         best, keep = candidate, within[:sub_k]
                 if cap > rank_in_owner.max(initial=0):
@@ -478,13 +480,13 @@ class BudgetController:
         return np.array([self.plain_scale, self.marginal_scale, self.speculation_overhead])
 
     def _grouped_goodput(self, keep, owner, expected, context, objective: "_Objective", tpot_limit: float, plain_s,
-                         priced: dict) -> float:
+                         cost_terms: np.ndarray, priced: dict) -> float:
         """Goodput of sending the candidates at positions `keep`, priced at the engine's own attention grouping."""
         tokens = 1.0 + np.bincount(owner[keep], minlength=context.shape[0])
         key = tokens.tobytes()
         if key not in priced:
             priced[key] = self.step_model.predict(tokens, context)
-        seconds = _speculating_seconds(priced[key], plain_s, self._cost_terms())
+        seconds = _speculating_seconds(priced[key], plain_s, cost_terms)
         if seconds > tpot_limit:
             return -np.inf
         return float(_score(expected, seconds, objective.drain, objective.draft_s))
