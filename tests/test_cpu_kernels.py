@@ -328,11 +328,14 @@ def test_tree_attention_does_not_depend_on_the_thread_count():
 _OUTPUTS_AT_A_WIDTH = textwrap.dedent("""
     import sys
     import numpy as np, torch
-    from trt_engines.cpu_kernels import VECTOR_FLOATS, Bf16Linear, TreeAttentionLayout, bf16_bits, tree_attention
+    from trt_engines.cpu_kernels import (BF16_DOT_PRODUCTS, VECTOR_FLOATS, Bf16Linear, TreeAttentionLayout, bf16_bits,
+                                         tree_attention)
     rng = np.random.default_rng(11)
     bf16 = lambda *shape: torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).bfloat16()
     linear = Bf16Linear(bf16(100, 576), bf16(100))  # 100 features: a padded tile at either width
     outs = [linear(bf16(rows, 576), fp32_out=True) for rows in (1, 2, 7, 70)]
+    odd = Bf16Linear(bf16(40, 33))  # an odd number of input features: the last bf16 pair is half padding
+    outs += [odd(bf16(rows, 33), fp32_out=True) for rows in (1, 13)]
     mask = np.tril(np.ones((5, 5), bool))
     # head_dim 40: the values' last tile is part padding (widened copies); 64: the pool read in place
     for dim in (40, 64):
@@ -349,7 +352,7 @@ _OUTPUTS_AT_A_WIDTH = textwrap.dedent("""
         first += n
     outs.append(tree_attention(bf16(first, 9, 64), bf16_bits(k), bf16_bits(v), TreeAttentionLayout(segments),
                                fp32_out=True))
-    np.savez(sys.argv[1], width=VECTOR_FLOATS, *[o.numpy() for o in outs])
+    np.savez(sys.argv[1], width=VECTOR_FLOATS, dot=BF16_DOT_PRODUCTS, *[o.numpy() for o in outs])
 """)
 
 
@@ -359,6 +362,8 @@ def test_outputs_do_not_depend_on_the_vector_width(tmp_path, monkeypatch, kernel
     # tree (one key a vector at 8 floats, two at 16), so the bits are the same (LLVM splits 16-float vectors into two on
     # AVX2, so both widths run on any x86 CPU). The width is fixed at import: this process computes at its own,
     # a subprocess (`kernel_runs`) at the other, which compiles every kernel afresh (the on-disk cache is off there).
+    # On a CPU with AVX512-BF16 the 16-float side's linear layers multiply bf16 pairs with VDPBF16PS
+    # (`BF16_DOT_PRODUCTS`) and the 8-float side's widen them for FMAs: the same chains, so this compares those too.
     script = tmp_path / "outputs.py"
     script.write_text(_OUTPUTS_AT_A_WIDTH)
     here = tmp_path / "here.npz"
@@ -367,10 +372,19 @@ def test_outputs_do_not_depend_on_the_vector_width(tmp_path, monkeypatch, kernel
     kernel_runs["other_width"].output()
     results = [np.load(here), np.load(kernel_runs["folder"] / "other.npz")]
     assert sorted(int(r["width"]) for r in results) == [8, 16]
-    names = [n for n in results[0].files if n != "width"]
-    assert len(names) == 7
+    names = [n for n in results[0].files if n not in ("width", "dot")]
+    assert len(names) == 9
     for name in names:
         assert np.array_equal(results[0][name], results[1][name]), name
+
+
+def test_bad_bf16_dot_product_overrides_are_refused():
+    for value, message in (("2", "RETROSPEC_CPU_BF16_DOT must be 0 or 1; got '2'"),
+                           ("1", "RETROSPEC_CPU_BF16_DOT=1 needs AVX512-BF16 and 16-float vectors")):
+        env = {**os.environ, "RETROSPEC_CPU_BF16_DOT": value, "RETROSPEC_CPU_VECTOR_FLOATS": "8"}
+        done = subprocess.run([sys.executable, "-c", "import trt_engines.cpu_kernels"], env=env, capture_output=True,
+                              text=True, cwd=REPO, timeout=300)
+        assert done.returncode != 0 and message in done.stderr
 
 
 def test_a_bad_vector_width_override_is_refused():

@@ -11,7 +11,9 @@ accumulate in fp32 (what bf16 GEMMs do). Their matrix products run on one regist
 outputs, or one or two rows (three over fp32 values) times four or two times that, per pass over the shared
 dimension, accumulators in registers; 8-float vectors on AVX2, 16 on AVX-512, the same bits either way), so a verify
 step's extra rows cost compute at close to the FMA units' rate rather than loads and horizontal sums;
-`verify_cost.md` has the step times.
+`verify_cost.md` has the step times. Where the CPU has AVX512-BF16, the linear layers' micro-kernel multiplies the
+bf16 values as they are, two input features per instruction (VDPBF16PS: `BF16_DOT_PRODUCTS`), in the same order and
+so with the same bits; 16 draft nodes then cost 0.79x and a prefill 0.63x (`bf16_dot.md`, 2-core Zen 4 EPYC).
 `TorchEngine(cpu_kernels=...)` decides where they run.
 
 Both are batch-invariant by construction, which is what lossless bf16 speculation needs (`torch_engine` docstring):
@@ -79,6 +81,28 @@ LANES = 2 * VECTOR_FLOATS  # output features per packed weight tile: two vectors
 # 12 rows in one pass took 0.84-0.93x the time of 6-row passes plus a pass for the rest over the model's linear
 # layers, 17 rows 0.91x (one-off A/B in one process, 2-core Zen 5 EPYC, the same bits).
 TILE_ROWS = 12 if VECTOR_FLOATS == 16 else 6
+
+
+def _bf16_dot_products() -> bool:
+    """Whether the linear layers' micro-kernel multiplies with AVX512-BF16's VDPBF16PS (`Bf16Linear`): on 16-float
+    vectors, where the CPU has it, unless `RETROSPEC_CPU_BF16_DOT=0` (for comparisons). One VDPBF16PS is, per fp32
+    lane, two fused multiply-adds in a fixed order: the products of the high bf16 halves, then of the low ones (Intel's
+    definition; on a Zen 4 EPYC its bits matched two `llvm.fma`s so ordered on 4800 random 576-term chains, a one-off
+    check, and `tests/test_cpu_kernels.py` compares both widths' outputs). So with input feature k in the high half
+    and k + 1 in the low one, each output is the chain of fused multiply-adds the fp32 path computes, bit for bit, at
+    half the instructions and with no widening. It reads denormal inputs as 0 and flushes denormal results to 0
+    (bf16 weights and activations of a trained model are not that small)."""
+    chosen = os.environ.get("RETROSPEC_CPU_BF16_DOT")
+    if chosen is not None and chosen not in ("0", "1"):
+        raise ValueError(f"RETROSPEC_CPU_BF16_DOT must be 0 or 1; got {chosen!r}")
+    flags = _cpu_flags()
+    available = VECTOR_FLOATS == 16 and flags is not None and "avx512_bf16" in flags
+    if chosen == "1" and not available:
+        raise ValueError("RETROSPEC_CPU_BF16_DOT=1 needs AVX512-BF16 and 16-float vectors; this CPU or setting "
+                         "has not got them")
+    return available and chosen != "0"
+
+
 _ROW_CHUNK = 64  # input rows per kernel call: a chunk of widened rows stays in L2 while every weight tile streams past
 _TASKS_PER_THREAD = 4  # runs of weight tiles per thread and `_linear_kernel` call: balanced however they split
 _PREFETCH_BYTES = 2048  # how far ahead of a multi-row pass (`_tile_products`) its weight streams are prefetched
@@ -179,6 +203,8 @@ def cpu_description() -> str:
     (which decide where "auto" runs these kernels: `auto_cpu_kernels`)."""
     bf16 = ("bf16 dot products and AMX" if cpu_has_amx_bf16() else "bf16 dot products, no AMX" if cpu_has_native_bf16()
             else "no bf16 dot-product instructions")
+    if BF16_DOT_PRODUCTS:
+        bf16 += "; numba linear layers on VDPBF16PS"
     return f"{platform.machine()} {os.cpu_count()} cores ({torch.backends.cpu.get_cpu_capability()}, {bf16})"
 
 
@@ -217,6 +243,20 @@ def _store_run_overload(out, i, j, values, start, count):
 _F32xV = ir.VectorType(ir.FloatType(), VECTOR_FLOATS)
 _I32xV = ir.VectorType(ir.IntType(32), VECTOR_FLOATS)
 _I16xV = ir.VectorType(ir.IntType(16), VECTOR_FLOATS)
+BF16_DOT_PRODUCTS = _bf16_dot_products()
+if BF16_DOT_PRODUCTS:
+    # VDPBF16PS goes in as inline assembly: llvmlite's IR has no bfloat type for LLVM's intrinsic to take, and numba
+    # does not set up the assembler that parses inline assembly
+    import llvmlite.binding
+
+    llvmlite.binding.initialize_native_asmparser()
+
+
+def _bf16_pair_products(builder, x_pairs, w_pairs, acc):
+    """acc + the products of x_pairs and w_pairs (LLVM IR, vectors of bf16 pairs in uint32s), per fp32 lane: the high
+    halves' product first, then the low halves' (VDPBF16PS, `_bf16_dot_products`)."""
+    signature = ir.FunctionType(_F32xV, [_I32xV, _I32xV, _F32xV])
+    return builder.asm(signature, "vdpbf16ps $2, $1, $0", "=v,v,v,0", [x_pairs, w_pairs, acc], side_effect=False)
 
 
 def _widened_bits(builder, raw):
@@ -319,6 +359,11 @@ def _tile_products(rows: int, tiles: int = 1):
     is computed beside it; a term whose xf value is 0 adds exactly nothing (for finite b). Several tiles per pass are
     for one or two rows, or three over fp32 b (`_tiles_per_pass`).
 
+    With bf16 pairs (`BF16_DOT_PRODUCTS`: b [rows, 2, VECTOR_FLOATS] uint32, tile t's rows at b_row + t * b_row_step
+    (b_col unused), and xf [M, >= k_dim] uint32, each element two input features side by side, the earlier in the
+    high half), iteration k multiplies pair k: per lane one VDPBF16PS, the same two fused multiply-adds in feature
+    order (`_bf16_dot_products`), so the same bits as over the widened values.
+
     `slots` is None, or, where b is bf16 bits as they are (uint16, unpaired: a layer's KV pool under one KV head),
     an int64 array naming b's rows: row b_row + ... + k above reads b[slots[b_row + ... + k]] (the values of a
     segment's keys, wherever the paged cache holds them), each vector widened in registers (the same values, so
@@ -326,14 +371,20 @@ def _tile_products(rows: int, tiles: int = 1):
     (the hardware prefetcher cannot follow the slots)."""
 
     def typer(typingctx, b, b_row, b_col, b_row_step, b_col_step, xf, m0, k_dim, out, out_row, out_col, slots):
-        if not (isinstance(b, types.Array) and b.ndim == 2 and b.dtype in (types.uint32, types.float32, types.uint16)
-                and isinstance(xf, types.Array) and xf.ndim == 2 and xf.dtype == types.float32
+        if not (isinstance(b, types.Array) and isinstance(xf, types.Array) and xf.ndim == 2
                 and isinstance(out, types.Array) and out.ndim == 2 and out.dtype == types.float32):
+            return None
+        # bf16 pairs (VDPBF16PS): b [rows, 2, VECTOR_FLOATS] and xf [M, >= k_dim] uint32, both pairs of features
+        pairs = b.ndim == 3 and b.dtype == types.uint32 and xf.dtype == types.uint32
+        if not pairs and not (b.ndim == 2 and b.dtype in (types.uint32, types.float32, types.uint16)
+                              and xf.dtype == types.float32):
+            return None
+        if pairs and not BF16_DOT_PRODUCTS:
             return None
         gathered = b.dtype == types.uint16  # bf16 rows through `slots`
         if gathered != (isinstance(slots, types.Array) and slots.ndim == 1 and slots.dtype == types.int64):
             return None
-        bf16 = b.dtype == types.uint32  # a tile's two vectors of bf16 bits in the halves of one vector of uint32s
+        bf16 = b.dtype == types.uint32 and not pairs  # a tile's two vectors of bf16 bits in the halves of one vector
         stored = _I32xV if bf16 else _F32xV
 
         def codegen(context, builder, signature, args):
@@ -363,17 +414,30 @@ def _tile_products(rows: int, tiles: int = 1):
             # few iterations the CPU runs ahead of it cover a fraction of the memory latency the single row's
             # cover, and the hardware prefetcher alone falls behind: each iteration asks for the line
             # `_PREFETCH_BYTES` ahead (bf16 weights; a hint, which never faults past the array's end).
-            prefetch = _PREFETCH_BYTES // (2 * LANES) if bf16 and rows > 1 else 0  # in iterations of k
+            prefetch = (_PREFETCH_BYTES // (2 * LANES) if bf16 else _PREFETCH_BYTES // (4 * LANES) if pairs
+                        else 0) if rows > 1 else 0  # in iterations of k
             prefetch_line = _prefetcher(context, builder, b_type.dtype)
             vectors = 2 * tiles  # accumulator vectors per row: vector v is tile v // 2, half v % 2
 
             def broadcast(k, r):
                 value = builder.load(builder.gep(x_rows[r], [k]), align=4)
-                undefined = ir.Constant(_F32xV, ir.Undefined)
+                undefined = ir.Constant(_I32xV if pairs else _F32xV, ir.Undefined)
                 lane0 = builder.insert_element(undefined, value, ir.Constant(ir.IntType(32), 0))
                 return builder.shuffle_vector(lane0, undefined, ir.Constant(_I32xV, [0] * VECTOR_FLOATS))
 
+            def pair_row(row, v):  # b[row, v, 0] (bf16 pairs)
+                return cgutils.get_item_pointer(context, builder, b_type, b_view, [row, const(v), const(0)],
+                                                wraparound=False)
+
+            def multiply_add(x_value, b_value, acc):
+                if pairs:
+                    return _bf16_pair_products(builder, x_value, b_value, acc)
+                return builder.call(fma, [x_value, b_value, acc])
+
             def weights(k, v, paired_loads):
+                if pairs:  # tile v // 2's row k, its vector v % 2: bf16 pairs, multiplied as they are
+                    pointer = pair_row(builder.add(tile_rows[v // 2], k), v % 2)
+                    return builder.load(builder.bitcast(pointer, _I32xV.as_pointer()), align=4)
                 if gathered:
                     slot = builder.load(cgutils.get_item_pointer(context, builder, slot_type, slot_view,
                                                                  [builder.add(tile_rows[v // 2], k)], wraparound=False))
@@ -395,7 +459,12 @@ def _tile_products(rows: int, tiles: int = 1):
 
             def iteration(k, acc):
                 paired_loads = {}  # tile -> its row k, loaded once for both of its vectors (bf16)
-                if prefetch:
+                if prefetch and pairs:  # a row of a tile is two vectors: two cache lines at 16 floats
+                    ahead = builder.add(k, const(prefetch))
+                    for t in range(tiles):
+                        for half in range(2):
+                            prefetch_line(pair_row(builder.add(tile_rows[t], ahead), half))
+                elif prefetch:
                     ahead = builder.add(k, const(prefetch))
                     for t in range(tiles):
                         ahead_of_tile = item(b_type, b_view, builder.add(tile_rows[t], ahead), tile_cols[t])
@@ -417,13 +486,13 @@ def _tile_products(rows: int, tiles: int = 1):
                     for r in range(rows):
                         x_value = broadcast(k, r)
                         for v in range(vectors):
-                            updated[r][v] = builder.call(fma, [x_value, b_values[v], acc[r][v]])
+                            updated[r][v] = multiply_add(x_value, b_values[v], acc[r][v])
                 else:
                     x_values = [broadcast(k, r) for r in range(rows)]
                     for v in range(vectors):
                         b_value = weights(k, v, paired_loads)
                         for r in range(rows):
-                            updated[r][v] = builder.call(fma, [x_values[r], b_value, acc[r][v]])
+                            updated[r][v] = multiply_add(x_values[r], b_value, acc[r][v])
                 return updated
 
             updated = _accumulating_loop(builder, "tile_products", _F32xV, (rows, vectors), 1, k_dim_value,
@@ -658,7 +727,7 @@ def _tiles_per_pass_overload(b, rows):
     (AVX2 has 16) for the zero vector that splits each weight vector's halves, and with the spills three rows took
     1.11-1.19x the unpaired 3 x 2 pass's time over the model's linear layers; with one tile, 0.98-1.11x (four
     paired A/B runs, AVX2 EPYC: this host's noise)."""
-    three_rows_tiles = 1 if b.dtype == types.uint32 else 2
+    three_rows_tiles = 1 if b.dtype == types.uint32 and b.ndim == 2 else 2  # bf16 pairs need no zero vector
 
     def tiles_per_pass(b, rows):
         if rows == 1:
@@ -750,6 +819,34 @@ def _rows_times_tiles(xf, b, b_row, b_col, b_row_step, b_col_step, tiles, k_dim,
         t += take
 
 
+def _kernel_rows(x, packed):  # pragma: no cover - replaced by the overload inside numba
+    """x [M, K] bf16 bits as the micro-kernel reads them over `packed`: widened to fp32 [M, K], or, over bf16 pairs
+    (a 3D `packed`, `BF16_DOT_PRODUCTS`), as pairs [M, ceil(K / 2)] uint32 (feature 2p in the high half, 2p + 1 in
+    the low one, a 0 after an odd K's last)."""
+
+
+@overload(_kernel_rows, inline="always")
+def _kernel_rows_overload(x, packed):
+    if packed.ndim == 3:
+        def pairs(x, packed):
+            rows, k_dim = x.shape
+            xp = np.zeros((rows, (k_dim + 1) // 2), np.uint32)
+            for m in range(rows):
+                for k in range(k_dim):
+                    xp[m, k // 2] |= np.uint32(x[m, k]) << np.uint32(16 * (1 - k % 2))
+            return xp
+        return pairs
+
+    def widened(x, packed):
+        rows, k_dim = x.shape
+        xw = np.empty((rows, k_dim), np.uint32)
+        for m in range(rows):
+            for k in range(k_dim):
+                xw[m, k] = _widen(x[m, k])
+        return xw.view(np.float32)
+    return widened
+
+
 @njit(parallel=True, boundscheck=False, cache=_CACHE)
 def _linear_kernel(x: np.ndarray, packed: np.ndarray, bias: np.ndarray, out: np.ndarray, tasks: int) -> None:
     """out = x w^T + bias, accumulated in fp32: x [M, K] bf16 bits, packed [N / LANES * K, VECTOR_FLOATS] uint32 the
@@ -760,14 +857,13 @@ def _linear_kernel(x: np.ndarray, packed: np.ndarray, bias: np.ndarray, out: np.
     Every output is one fused multiply-add chain over K in order, then + bias, then one rounding: the same bits
     whatever M is, where its row sits and which group it falls in (what makes rows batch-invariant). One row
     streams the weights at memory speed; from about five rows on, the rows' FMAs set the time and the streaming
-    hides behind them (`benchmarks/results/linear_rows.md`)."""
-    rows, k_dim = x.shape
+    hides behind them (`benchmarks/results/linear_rows.md`). With `BF16_DOT_PRODUCTS`, packed is [N / LANES *
+    ceil(K / 2), 2, VECTOR_FLOATS]: the same tiles in pairs of input features, multiplied by VDPBF16PS, the same bits.
+    """
+    rows = x.shape[0]
+    xf = _kernel_rows(x, packed)
+    k_dim = xf.shape[1]  # iterations of the micro-kernel: features, or pairs of them
     tiles = packed.shape[0] // k_dim
-    xw = np.empty((rows, k_dim), np.uint32)
-    for m in range(rows):
-        for k in range(k_dim):
-            xw[m, k] = _widen(x[m, k])
-    xf = xw.view(np.float32)
     for task in prange(tasks):
         acc = np.empty((rows, TILE_GROUP * LANES), np.float32)
         end = (task + 1) * tiles // tasks
@@ -804,10 +900,20 @@ class Bf16Linear:
         tiles = bits.shape[0] // LANES
         # [tiles * K, LANES] bf16: row t * K + k holds input feature k of tile t's LANES output features ...
         features = np.ascontiguousarray(bits.reshape(tiles, LANES, self.in_features).transpose(0, 2, 1))
-        # ... paired: uint32 j of a row holds feature j in its low half and feature j + VECTOR_FLOATS in its high half
-        first, second = features[..., :VECTOR_FLOATS].astype(np.uint32), features[..., VECTOR_FLOATS:].astype(np.uint32)
-        self.packed = huge_page_array((tiles * self.in_features, VECTOR_FLOATS), np.uint32)  # streamed every call
-        self.packed[...] = (first | (second << np.uint32(16))).reshape(-1, VECTOR_FLOATS)
+        if BF16_DOT_PRODUCTS:
+            # ... in pairs of input features: uint32 j of vector v of row t * ceil(K / 2) + p holds output feature
+            # v * VECTOR_FLOATS + j's weights for input features 2p (high half) and 2p + 1 (low half, 0 past K)
+            if self.in_features % 2:
+                features = np.concatenate([features, np.zeros((tiles, 1, LANES), np.uint16)], axis=1)
+            high, low = features[:, 0::2].astype(np.uint32), features[:, 1::2].astype(np.uint32)
+            self.packed = huge_page_array((high.shape[0] * high.shape[1], 2, VECTOR_FLOATS), np.uint32)
+            self.packed[...] = ((high << np.uint32(16)) | low).reshape(-1, 2, VECTOR_FLOATS)
+        else:
+            # ... paired: uint32 j of a row holds feature j in its low half and feature j + VECTOR_FLOATS in its high
+            first = features[..., :VECTOR_FLOATS].astype(np.uint32)
+            second = features[..., VECTOR_FLOATS:].astype(np.uint32)
+            self.packed = huge_page_array((tiles * self.in_features, VECTOR_FLOATS), np.uint32)  # streamed every call
+            self.packed[...] = (first | (second << np.uint32(16))).reshape(-1, VECTOR_FLOATS)
         self.bias = np.zeros(bits.shape[0], np.float32)
         if bias is not None:
             self.bias[: self.out_features] = bias.detach().float().numpy()
