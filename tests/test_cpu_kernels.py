@@ -328,8 +328,7 @@ def test_tree_attention_does_not_depend_on_the_thread_count():
 _OUTPUTS_AT_A_WIDTH = textwrap.dedent("""
     import sys
     import numpy as np, torch
-    from trt_engines.cpu_kernels import (BF16_DOT_PRODUCTS, VECTOR_FLOATS, Bf16Linear, TreeAttentionLayout, bf16_bits,
-                                         tree_attention)
+    from trt_engines.cpu_kernels import VECTOR_FLOATS, Bf16Linear, TreeAttentionLayout, bf16_bits, tree_attention
     rng = np.random.default_rng(11)
     bf16 = lambda *shape: torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).bfloat16()
     linear = Bf16Linear(bf16(100, 576), bf16(100))  # 100 features: a padded tile at either width
@@ -352,7 +351,7 @@ _OUTPUTS_AT_A_WIDTH = textwrap.dedent("""
         first += n
     outs.append(tree_attention(bf16(first, 9, 64), bf16_bits(k), bf16_bits(v), TreeAttentionLayout(segments),
                                fp32_out=True))
-    np.savez(sys.argv[1], width=VECTOR_FLOATS, dot=BF16_DOT_PRODUCTS, *[o.numpy() for o in outs])
+    np.savez(sys.argv[1], width=VECTOR_FLOATS, *[o.numpy() for o in outs])
 """)
 
 
@@ -372,7 +371,7 @@ def test_outputs_do_not_depend_on_the_vector_width(tmp_path, monkeypatch, kernel
     kernel_runs["other_width"].output()
     results = [np.load(here), np.load(kernel_runs["folder"] / "other.npz")]
     assert sorted(int(r["width"]) for r in results) == [8, 16]
-    names = [n for n in results[0].files if n not in ("width", "dot")]
+    names = [n for n in results[0].files if n != "width"]
     assert len(names) == 9
     for name in names:
         assert np.array_equal(results[0][name], results[1][name]), name
