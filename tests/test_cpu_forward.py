@@ -195,3 +195,42 @@ def test_engine_steps_decode_what_the_model_forward_decodes(kernels):
         # a different choice only where the reference's logits had it within the forwards' difference of its own
         assert ours == theirs or reference_logits[step, theirs] - reference_logits[step, ours] <= 0.5, step
     assert sum(a == b for a, b in zip(tokens, reference)) >= steps - 3
+
+
+@pytest.mark.skipif(not is_complete(default_model_dir()), reason="default model not prepared")
+def test_one_compiled_call_computes_what_the_layer_loop_computes():
+    # With the numba linear layers the decoder's layers run as one compiled call; the Python loop over the same
+    # kernels is the reference: the same bits for a prefill longer than one linear-kernel chunk (64 rows), a plain
+    # step, a chain and a branching tree.
+    from drafter.tree import DraftTree
+    from trt_engines.base import VerifyItem
+    from trt_engines.torch_engine import TorchEngine
+
+    engine = TorchEngine("default", dtype=torch.bfloat16, num_blocks=64, max_context=1024, cpu_kernels="numba")
+    fused = engine._fused
+    loop = FusedCpuDecoder(engine.model, one_call=False)
+    assert fused.one_call and not loop.one_call
+    calls = []
+
+    def captured(*args):
+        calls.append(args)
+        return fused(*args)
+
+    engine._fused = captured
+    rng = np.random.default_rng(0)
+    engine.add_request("r", [int(t) for t in rng.integers(100, engine.vocab_size, 150)])
+    drafted = [int(t) for t in rng.integers(100, engine.vocab_size, 6)]
+    for tree in (DraftTree.empty(), DraftTree.chain(drafted[:4]),
+                 DraftTree.from_arrays(tokens=drafted, parents=[-1, 0, 0, -1, 3, 1])):
+        engine.verify([VerifyItem("r", tree)])
+    assert [len(args[0]) for args in calls] == [150, 1, 5, 7]
+    for args in calls:  # each call writes its tokens' keys and values to the same slots: the loop rewrites them
+        ours, reference = fused(*args), loop(*args)
+        assert torch.equal(ours.view(torch.int16), reference.view(torch.int16))
+    # PyTorch's linear layers ("attention") keep the loop
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "attention" where PyTorch's bf16 linear layers are not batch-invariant
+        engine = TorchEngine("default", dtype=torch.bfloat16, num_blocks=64, max_context=1024, cpu_kernels="attention")
+    assert not engine._fused.one_call

@@ -7,7 +7,11 @@ layers where they stay PyTorch's ("attention"). What this adds is the glue betwe
 glue (RMSNorm, RoPE, the KV writes, SwiGLU's activation, the residual adds, and the bf16 <-> fp32 conversions around
 each) ran ~60 small PyTorch ops per layer; here it is four calls per layer besides the four linear layers and the
 attention. On a 2-core AVX2 CPU with the numba linear layers (SmolLM2-135M, batch 1, context 512, `verify_cost.md`
-at c7fd3fb and at 768bb92) a plain step went from 33.9 to 16.5 ms and an 8-node one from 56.8 to 36.6 ms.
+at c7fd3fb and at 768bb92) a plain step went from 33.9 to 16.5 ms and an 8-node one from 56.8 to 36.6 ms. With the
+numba linear layers, the loop over the layers is itself compiled (`_decoder_layers`): one call from Python per
+forward instead of nine per layer, the same kernels in the same order, so the same bits; it took 0.92-0.95x the
+loop's time for a plain step and verify steps of 4-16 nodes, 0.56-1.46 ms less a step (`one_call.md`, 2-core Zen 4
+EPYC).
 
 Every operator works row by row (a row's result never depends on the rows beside it), so the forward stays
 batch-invariant (`cpu_kernels` docstring). The roundings are PyTorch's: RMSNorm in fp32, rounded to bf16, then times
@@ -21,16 +25,18 @@ everywhere). So a hidden state here may part from `Transformer.forward`'s by a b
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import numba
 import numpy as np
 import torch
-from numba import njit, prange
+from numba import njit, prange, typed
 from torch import Tensor
 
-from trt_engines.cpu_kernels import (_CACHE, _EXP_CEIL, _EXP_FLOOR, _FASTMATH, Bf16Linear, TreeAttentionLayout,
-                                     _exp_exponent, _exp_remainder, _round_bf16, _widen, bf16_bits, tree_attention_bits)
+from trt_engines.cpu_kernels import (_CACHE, _EXP_CEIL, _EXP_FLOOR, _FASTMATH, LANES, Bf16Linear, TreeAttentionLayout,
+                                     _exp_exponent, _exp_remainder, _round_bf16, _tree_attention_kernel, _widen,
+                                     bf16_bits, linear_bits, tree_attention_bits)
 from trt_engines.llama import Linear, Transformer
 
 
@@ -232,13 +238,51 @@ def row_parts(rows: int, width: int, threads: int) -> int:
     return min(threads, rows) if rows * width >= PARALLEL_ELEMENTS else 1
 
 
+@functools.cache
+def _decoder_layers(head_dim: int):
+    """The decoder layers of `FusedCpuDecoder.__call__` as one compiled function, for the numba linear layers (the
+    attention kernel of `head_dim` is compiled in): the same kernel calls in the same order, so the same bits, with
+    none of the Python between them (~20 us a layer: `Bf16Linear.bits`' own Python, the attention's wrapper, the
+    dispatch of each call)."""
+    attention = _tree_attention_kernel(head_dim)
+
+    @njit(boundscheck=False, cache=_CACHE)
+    def layers(x, normed, q, cos, sin, slots, attention_norms, ffn_norms, qkv_w, qkv_b, o_w, o_b, up_w, up_b, down_w,
+               down_b, k_pools, v_pools, row_start, rows, ctx, key_start, key_slots, mask_start, mask, reach, one_run,
+               task_segment, task_kv, task_first, task_rows, scale, eps, threads, norm_parts, rope_parts, silu_parts,
+               n_kv_heads, intermediate):
+        """x (the residual stream, bf16 bits [T, dim], updated in place) through every layer; per layer i its norms'
+        weights, its four linear layers' packed weights and biases (`Bf16Linear`), its K/V pools, and the step's
+        attention layout and tasks (`tree_attention_bits`)."""
+        tokens, n_heads = q.shape[0], q.shape[1]
+        rms_norm(x, attention_norms[0], eps, normed, norm_parts)
+        for i in range(len(attention_norms)):
+            rope_and_store(linear_bits(normed, qkv_w[i], qkv_b[i], threads), cos, sin, n_heads, n_kv_heads, q,
+                           k_pools[i], v_pools[i], slots, rope_parts)
+            attended = np.empty((tokens, n_heads * head_dim), np.uint16)
+            attention(q, k_pools[i], v_pools[i], row_start, rows, ctx, key_start, key_slots, mask_start, mask, reach,
+                      one_run, task_segment, task_kv, task_first, task_rows, n_heads // n_kv_heads, scale, attended)
+            add_rms_norm(x, linear_bits(attended, o_w[i], o_b[i], threads), ffn_norms[i], eps, normed, norm_parts)
+            act = np.empty((tokens, intermediate), np.uint16)
+            silu_and_mul(linear_bits(normed, up_w[i], up_b[i], threads), act, silu_parts)
+            down = linear_bits(act, down_w[i], down_b[i], threads)
+            if i + 1 < len(attention_norms):
+                add_rms_norm(x, down, attention_norms[i + 1], eps, normed, norm_parts)
+            else:
+                residual_add(x, down)
+
+    return layers
+
+
 class FusedCpuDecoder:
     """`Transformer.forward` for batch-invariant bf16 verify steps on the CPU (module docstring). Built once per
     engine from a bf16 model; holds views of its weights. Linear layers run where the engine put them: `Bf16Linear`
     kernels on their bits (`cpu_kernels="numba"`), else the model's own `Linear` on a bf16 view of the bits
-    (`"attention"`: PyTorch's, in their batch-invariant form)."""
+    (`"attention"`: PyTorch's, in their batch-invariant form). With `Bf16Linear` kernels whose outputs need no
+    padding (every layer's out_features a multiple of LANES), the layers run as one compiled call
+    (`_decoder_layers`) unless `one_call` is False (for comparisons: the same bits)."""
 
-    def __init__(self, model: Transformer):
+    def __init__(self, model: Transformer, *, one_call: bool = True):
         a = model.args
         if model.tok_embeddings.weight.dtype != torch.bfloat16:
             raise ValueError(f"FusedCpuDecoder runs bf16 models; this one is {model.tok_embeddings.weight.dtype}")
@@ -254,6 +298,15 @@ class FusedCpuDecoder:
             linears = (block.attention.wqkv, block.attention.wo, block.feed_forward.w13, block.feed_forward.w2)
             self.layers.append((_widened(block.attention_norm.weight), _widened(block.ffn_norm.weight),
                                 *(_on_bits(layer) for layer in linears)))
+        kernels = [layer.kernel for block in model.layers for layer in (block.attention.wqkv, block.attention.wo,
+                                                                         block.feed_forward.w13, block.feed_forward.w2)]
+        self.one_call = one_call and all(isinstance(k, Bf16Linear) and k.out_features % LANES == 0 for k in kernels)
+        if self.one_call:
+            self._norms = tuple(typed.List(layer[j] for layer in self.layers) for j in (0, 1))
+            # per kind (q/k/v, o, gate/up, down): every layer's packed weights, then every layer's biases
+            self._weights = tuple(typed.List(k.packed for k in kernels[j::4]) for j in range(4))
+            self._biases = tuple(typed.List(k.bias for k in kernels[j::4]) for j in range(4))
+            self._pools: tuple = (None, None, None)  # (the engine's pool list, its K pools, its V pools)
 
     def __call__(self, tokens: Tensor, positions: Tensor, layout: TreeAttentionLayout,
                  pool_bits: list[tuple[np.ndarray, np.ndarray]], write_slots: np.ndarray) -> Tensor:
@@ -270,6 +323,17 @@ class FusedCpuDecoder:
         norm_parts = row_parts(T, x.shape[1], threads)
         rope_parts = row_parts(T, (H + 2 * self.n_kv_heads) * D, threads)
         silu_parts = row_parts(T, self.intermediate, threads)
+        if self.one_call:
+            if self._pools[0] is not pool_bits:  # the engine's list, built once: its typed copies are kept
+                self._pools = (pool_bits, typed.List(k for k, _ in pool_bits), typed.List(v for _, v in pool_bits))
+            (qkv_w, o_w, up_w, down_w), (qkv_b, o_b, up_b, down_b) = self._weights, self._biases
+            _decoder_layers(D)(x, normed, q, cos, sin, slots, *self._norms, qkv_w, qkv_b, o_w, o_b, up_w, up_b, down_w,
+                               down_b, *self._pools[1:], layout.row_start, layout.rows, layout.ctx, layout.key_start,
+                               layout.key_slots, layout.mask_start, layout.mask, layout.reach, layout.one_run,
+                               *layout.tasks(self.n_kv_heads, H // self.n_kv_heads, threads), np.float32(D ** -0.5),
+                               self.eps, threads, norm_parts, rope_parts, silu_parts, self.n_kv_heads,
+                               self.intermediate)
+            return torch.from_numpy(x).view(torch.bfloat16)
         rms_norm(x, self.layers[0][0], self.eps, normed, norm_parts)
         for i, (_, ffn_norm, wqkv, wo, w13, w2) in enumerate(self.layers):  # the attention norm ran with the add
             k_pool, v_pool = pool_bits[i]

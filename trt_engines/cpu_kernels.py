@@ -878,6 +878,19 @@ def _linear_kernel(x: np.ndarray, packed: np.ndarray, bias: np.ndarray, out: np.
                     _store_run(out, m, n0, acc[m], t * LANES, LANES)
 
 
+@njit(boundscheck=False, cache=_CACHE)
+def linear_bits(x: np.ndarray, packed: np.ndarray, bias: np.ndarray, threads: int) -> np.ndarray:
+    """`Bf16Linear.bits` from compiled code (`cpu_forward.FusedCpuDecoder` drives a whole forward from one numba
+    call): x [T, K] bf16 bits times a layer's `packed` weight plus its `bias` -> [T, N] bf16 bits, N padded to whole
+    tiles; the same calls of `_linear_kernel`, so the same bits."""
+    rows = x.shape[0]
+    out = np.empty((rows, bias.shape[0]), np.uint16)
+    tasks = min(bias.shape[0] // LANES, threads * _TASKS_PER_THREAD)
+    for start in range(0, rows, _ROW_CHUNK):
+        _linear_kernel(x[start:start + _ROW_CHUNK], packed, bias, out[start:start + _ROW_CHUNK], tasks)
+    return out
+
+
 class Bf16Linear:
     """A bf16 weight [N, K] (and optional bias) applied with `_linear_kernel`; `__call__(x [T, K] bf16) -> [T, N]
     bf16`. Holds the weight's bits repacked into tiles of LANES output features, feature-major within a tile, so a
