@@ -234,3 +234,14 @@ def test_one_compiled_call_computes_what_the_layer_loop_computes():
         warnings.simplefilter("ignore")  # "attention" where PyTorch's bf16 linear layers are not batch-invariant
         engine = TorchEngine("default", dtype=torch.bfloat16, num_blocks=64, max_context=1024, cpu_kernels="attention")
     assert not engine._fused.one_call
+
+
+def test_compiled_closures_close_over_constants_only():
+    # numba's on-disk cache keys a closure on its cells' pickles: a compiled function in a cell pickles with a
+    # per-process id, so every process would compile it afresh (and add another entry to the cache).
+    from trt_engines.cpu_forward import _decoder_layers
+    from trt_engines.cpu_kernels import _tree_attention_kernel
+
+    for compiled in (_decoder_layers(64), _tree_attention_kernel(64), _tree_attention_kernel(64, True)):
+        cells = [cell.cell_contents for cell in compiled.py_func.__closure__ or ()]
+        assert cells and all(value is None or isinstance(value, (bool, int)) for value in cells), cells

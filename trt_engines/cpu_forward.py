@@ -35,8 +35,8 @@ from numba import njit, prange, typed
 from torch import Tensor
 
 from trt_engines.cpu_kernels import (_CACHE, _EXP_CEIL, _EXP_FLOOR, _FASTMATH, LANES, Bf16Linear, TreeAttentionLayout,
-                                     _exp_exponent, _exp_remainder, _round_bf16, _tree_attention_kernel, _widen,
-                                     bf16_bits, linear_bits, tree_attention_bits)
+                                     _exp_exponent, _exp_remainder, _round_bf16, _tree_attention_tasks, _widen,
+                                     attention_reads_copies, bf16_bits, linear_bits, tree_attention_bits)
 from trt_engines.llama import Linear, Transformer
 
 
@@ -243,8 +243,9 @@ def _decoder_layers(head_dim: int):
     """The decoder layers of `FusedCpuDecoder.__call__` as one compiled function, for the numba linear layers (the
     attention kernel of `head_dim` is compiled in): the same kernel calls in the same order, so the same bits, with
     none of the Python between them (~20 us a layer: `Bf16Linear.bits`' own Python, the attention's wrapper, the
-    dispatch of each call)."""
-    attention = _tree_attention_kernel(head_dim)
+    dispatch of each call). It closes over constants only, so numba's cache keys on them (a closure over a compiled
+    function pickles differently in every process, and each process would compile it afresh)."""
+    copied = attention_reads_copies(head_dim)
 
     @njit(boundscheck=False, cache=_CACHE)
     def layers(x, normed, q, cos, sin, slots, attention_norms, ffn_norms, qkv_w, qkv_b, o_w, o_b, up_w, up_b, down_w,
@@ -260,8 +261,9 @@ def _decoder_layers(head_dim: int):
             rope_and_store(linear_bits(normed, qkv_w[i], qkv_b[i], threads), cos, sin, n_heads, n_kv_heads, q,
                            k_pools[i], v_pools[i], slots, rope_parts)
             attended = np.empty((tokens, n_heads * head_dim), np.uint16)
-            attention(q, k_pools[i], v_pools[i], row_start, rows, ctx, key_start, key_slots, mask_start, mask, reach,
-                      one_run, task_segment, task_kv, task_first, task_rows, n_heads // n_kv_heads, scale, attended)
+            _tree_attention_tasks(head_dim, copied, q, k_pools[i], v_pools[i], row_start, rows, ctx, key_start,
+                                  key_slots, mask_start, mask, reach, one_run, task_segment, task_kv, task_first,
+                                  task_rows, n_heads // n_kv_heads, scale, attended)
             add_rms_norm(x, linear_bits(attended, o_w[i], o_b[i], threads), ffn_norms[i], eps, normed, norm_parts)
             act = np.empty((tokens, intermediate), np.uint16)
             silu_and_mul(linear_bits(normed, up_w[i], up_b[i], threads), act, silu_parts)
@@ -294,12 +296,12 @@ class FusedCpuDecoder:
         self.eps = np.float32(a.norm_eps)
         self.embeddings = bf16_bits(model.tok_embeddings.weight.detach())
         self.layers = []
+        kernels = []  # every layer's q/k/v, o, gate/up and down kernels, layer by layer
         for block in model.layers:
             linears = (block.attention.wqkv, block.attention.wo, block.feed_forward.w13, block.feed_forward.w2)
             self.layers.append((_widened(block.attention_norm.weight), _widened(block.ffn_norm.weight),
                                 *(_on_bits(layer) for layer in linears)))
-        kernels = [layer.kernel for block in model.layers for layer in (block.attention.wqkv, block.attention.wo,
-                                                                         block.feed_forward.w13, block.feed_forward.w2)]
+            kernels += [layer.kernel for layer in linears]
         self.one_call = one_call and all(isinstance(k, Bf16Linear) and k.out_features % LANES == 0 for k in kernels)
         if self.one_call:
             self._norms = tuple(typed.List(layer[j] for layer in self.layers) for j in (0, 1))

@@ -966,7 +966,7 @@ _EXP_POLY = tuple(np.float32(c) for c in (1.9875691500e-4, 1.3981999507e-3, 8.33
 _EXP_FLOOR = np.float32(-87.0)  # below it exp underflows to (nearly) 0 and 2^n would leave the normal range
 _EXP_CEIL = np.float32(88.72283)  # above it expf overflows to inf
 _MAX_LANES = 2 * SCORE_LANES  # running maxima and partial sums in the softmax (`_softmax_weights`)
-_ROWS_PER_TASK = 16  # query rows (tokens x heads of a KV group) per task of `_tree_attention_kernel`
+_ROWS_PER_TASK = 16  # query rows (tokens x heads of a KV group) per task of `_tree_attention_tasks`
 
 
 @njit(inline="always")
@@ -1154,10 +1154,10 @@ def _softmax_weights(weights, m, power_bits):
 @njit(boundscheck=False, error_model="numpy", cache=_CACHE)
 def _attention_task(head_dim, copied, q, k_pool, v_pool, s, kv, first, count, row_start, rows, ctx, key_start,
                     key_slots, mask_start, mask, reach, one_run, group, scale, out):
-    """One task of `_tree_attention_kernel`: `count` (> 0) query rows from `first` of segment s's rows under the
+    """One task of `_tree_attention_tasks`: `count` (> 0) query rows from `first` of segment s's rows under the
     heads that share KV head kv. `head_dim` is compiled in as a constant (`literally`), so the loops over it unroll.
     `copied`: None where the micro-kernels read the keys and values from the pool through their slots, True where
-    the task computes on widened copies of them (`_tree_attention_kernel`); a None argument is a type of its own, so
+    the task computes on widened copies of them (`attention_reads_copies`); a None argument is a type of its own, so
     numba compiles only the way taken.
 
     A function of its own rather than the body of the kernel's `prange` loop: numba's parallel passes copy and
@@ -1236,37 +1236,54 @@ def _attention_task(head_dim, copied, q, k_pool, v_pool, s, kv, first, count, ro
         _store_run(out, r0 + i, h * dim, weighted[row], 0, dim)
 
 
+@njit(parallel=True, boundscheck=False, cache=_CACHE)
+def _tree_attention_tasks(head_dim, copied, q, k_pool, v_pool, row_start, rows, ctx, key_start, key_slots, mask_start,
+                          mask, reach, one_run, task_segment, task_kv, task_first, task_rows, group, scale, out):
+    """softmax(q k^T * scale) v for every query row, over its visible keys only (module docstring). A task is a run
+    of `task_rows` query rows from `task_first` of segment `task_segment`'s rows under the heads that share KV head
+    `task_kv`, counted head-major (row g * n + i is token i under head task_kv * group + g). `head_dim` and `copied`
+    come in as constants of the caller (`_tree_attention_kernel`, `cpu_forward._decoder_layers`): see
+    `_attention_task`.
+
+    q [T, H, D], k_pool and v_pool [KV, slots, D], out [T, H * D]: all bf16 bits. Per segment s: its first packed row
+    `row_start[s]`, `rows[s]` query rows, `ctx[s]` cached keys, its keys' flat slots `key_slots[key_start[s]:][:ctx +
+    rows]`, and its [rows, rows] mask over its own new tokens at `mask[mask_start[s]:]` (uint8, row-major); per packed
+    row, `reach` is the last of its segment's new tokens it sees, and `one_run` is 1 where it sees all of them up to
+    there (a prefill's or a chain's rows). Scores, softmax and the weighted sum run in fp32; `out` may be fp32. A task
+    of 0 rows is padding (`TreeAttentionLayout.tasks`)."""
+    for task in prange(task_segment.shape[0]):
+        if task_rows[task] > 0:
+            _attention_task(head_dim, copied, q, k_pool, v_pool, task_segment[task], task_kv[task], task_first[task],
+                            task_rows[task], row_start, rows, ctx, key_start, key_slots, mask_start, mask, reach,
+                            one_run, group, scale, out)
+
+
+def attention_reads_copies(head_dim: int, widened_copy: bool = False) -> bool | None:
+    """`_attention_task`'s `copied` for `head_dim`: None where head_dim is a whole number of value tiles (64, 128) and
+    the micro-kernels read the pool's bf16 rows through the slots, widened in registers; True where each task widens
+    its keys and values into a copy padded with zeros, or where `widened_copy` asks for that (for comparisons: the same
+    bits). Writing that copy and reading it back cost more than reading the pool: in whole verify steps
+    (`benchmarks/results/cpu_attention.md`, AVX2 EPYC) the pool's attention took 0.73-0.92x the copies', a plain
+    step's at 2048 keys 5.1 ms against 6.9."""
+    return None if head_dim % LANES == 0 and not widened_copy else True
+
+
 @functools.cache
 def _tree_attention_kernel(head_dim: int, widened_copy: bool = False):
     """The attention kernel compiled for one head_dim: a constant there, so the loops over it unroll.
     `widened_copy`: each task copies its keys and values out of the pool, widened to fp32, and computes on the copy,
     as every task did before the micro-kernels learnt to read the pool (for comparisons: the same bits)."""
-    # Where head_dim is a whole number of value tiles (64, 128), the micro-kernels read the pool's bf16 rows through
-    # the slots, widened in registers; otherwise each task widens its keys and values into a copy padded with zeros.
-    # Writing that copy and reading it back cost more than reading the pool: in whole verify steps
-    # (`benchmarks/results/cpu_attention.md`, AVX2 EPYC) the pool's attention took 0.73-0.92x the copies', a plain
-    # step's at 2048 keys 5.1 ms against 6.9.
-    copied = None if head_dim % LANES == 0 and not widened_copy else True
+    copied = attention_reads_copies(head_dim, widened_copy)
 
-    @njit(parallel=True, boundscheck=False, cache=_CACHE)
+    @njit(boundscheck=False, cache=_CACHE)
     def kernel(q, k_pool, v_pool, row_start, rows, ctx, key_start, key_slots, mask_start, mask, reach, one_run,
                task_segment, task_kv, task_first, task_rows, group, scale, out):
-        """softmax(q k^T * scale) v for every query row, over its visible keys only (module docstring). A task is
-        a run of `task_rows` query rows from `task_first` of segment `task_segment`'s rows under the heads that
-        share KV head `task_kv`, counted head-major (row g * n + i is token i under head task_kv * group + g).
-
-        q [T, H, D], k_pool and v_pool [KV, slots, D], out [T, H * D]: all bf16 bits. Per segment s: its first
-        packed row `row_start[s]`, `rows[s]` query rows, `ctx[s]` cached keys, its keys' flat slots
-        `key_slots[key_start[s]:][:ctx + rows]`, and its [rows, rows] mask over its own new tokens at
-        `mask[mask_start[s]:]` (uint8, row-major); per packed row, `reach` is the last of its segment's new tokens
-        it sees, and `one_run` is 1 where it sees all of them up to there (a prefill's or a chain's rows). Scores,
-        softmax and the weighted sum run in fp32; `out` may be fp32. A task of 0 rows is padding
-        (`TreeAttentionLayout.tasks`)."""
-        for task in prange(task_segment.shape[0]):
-            if task_rows[task] > 0:
-                _attention_task(head_dim, copied, q, k_pool, v_pool, task_segment[task], task_kv[task],
-                                task_first[task], task_rows[task], row_start, rows, ctx, key_start, key_slots,
-                                mask_start, mask, reach, one_run, group, scale, out)
+        """`_tree_attention_tasks` for this head_dim and way of reading the pool. Only constants are closed over,
+        so numba's cache keys on them (a closure over a compiled function pickles differently in every process and
+        would compile afresh in each)."""
+        _tree_attention_tasks(head_dim, copied, q, k_pool, v_pool, row_start, rows, ctx, key_start, key_slots,
+                              mask_start, mask, reach, one_run, task_segment, task_kv, task_first, task_rows, group,
+                              scale, out)
 
     return kernel
 
