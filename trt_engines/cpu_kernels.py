@@ -879,15 +879,20 @@ def _linear_kernel(x: np.ndarray, packed: np.ndarray, bias: np.ndarray, out: np.
 
 
 @njit(boundscheck=False, cache=_CACHE)
+def _linear_rows(x: np.ndarray, packed: np.ndarray, bias: np.ndarray, out: np.ndarray, threads: int) -> None:
+    """out = x w^T + bias (`_linear_kernel`) for `threads` numba threads, `_ROW_CHUNK` rows of x per call."""
+    tasks = min(bias.shape[0] // LANES, threads * _TASKS_PER_THREAD)
+    for start in range(0, x.shape[0], _ROW_CHUNK):
+        _linear_kernel(x[start:start + _ROW_CHUNK], packed, bias, out[start:start + _ROW_CHUNK], tasks)
+
+
+@njit(boundscheck=False, cache=_CACHE)
 def linear_bits(x: np.ndarray, packed: np.ndarray, bias: np.ndarray, threads: int) -> np.ndarray:
     """`Bf16Linear.bits` from compiled code (`cpu_forward.FusedCpuDecoder` drives a whole forward from one numba
     call): x [T, K] bf16 bits times a layer's `packed` weight plus its `bias` -> [T, N] bf16 bits, N padded to whole
-    tiles; the same calls of `_linear_kernel`, so the same bits."""
-    rows = x.shape[0]
-    out = np.empty((rows, bias.shape[0]), np.uint16)
-    tasks = min(bias.shape[0] // LANES, threads * _TASKS_PER_THREAD)
-    for start in range(0, rows, _ROW_CHUNK):
-        _linear_kernel(x[start:start + _ROW_CHUNK], packed, bias, out[start:start + _ROW_CHUNK], tasks)
+    tiles."""
+    out = np.empty((x.shape[0], bias.shape[0]), np.uint16)
+    _linear_rows(x, packed, bias, out, threads)
     return out
 
 
@@ -944,16 +949,9 @@ class Bf16Linear:
         """`__call__` on bf16 bits: xb [T, K] uint16 -> [T, N] uint16 (a view when N is padded). `threads`: numba's
         thread count where the caller has it already (`FusedCpuDecoder` asks once per forward for its 120 layers:
         `numba.get_num_threads` takes a lock: ~1.5 us a call, one-off on a 2-core AVX2 EPYC)."""
-        rows = xb.shape[0]
-        out = np.empty((rows, self.bias.shape[0]), np.float32 if fp32_out else np.uint16)
+        out = np.empty((xb.shape[0], self.bias.shape[0]), np.float32 if fp32_out else np.uint16)
         threads = numba.get_num_threads() if threads is None else _checked_threads(threads)
-        tasks = min(self.bias.shape[0] // LANES, threads * _TASKS_PER_THREAD)
-        if rows <= _ROW_CHUNK:  # a verify step's rows: one call on the arrays themselves, no views to make
-            _linear_kernel(xb, self.packed, self.bias, out, tasks)
-        else:
-            for start in range(0, rows, _ROW_CHUNK):
-                _linear_kernel(xb[start:start + _ROW_CHUNK], self.packed, self.bias, out[start:start + _ROW_CHUNK],
-                               tasks)
+        _linear_rows(xb, self.packed, self.bias, out, threads)
         return out if out.shape[1] == self.out_features else out[:, : self.out_features]
 
 
