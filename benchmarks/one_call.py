@@ -42,20 +42,15 @@ def measure(rounds: int) -> dict:
     if not one_call.one_call:
         raise SystemExit("this engine's decoder does not run its layers as one call (PyTorch's linear layers?)")
     loop = FusedCpuDecoder(engine.model, one_call=False)
-    shapes: dict[str, tuple] = {}
-
-    def recording(*args):
-        shapes[recording.shape] = args
-        return one_call(*args)
-
-    engine._fused = recording
+    calls: list[tuple] = []  # the decoder's arguments, call by call
+    engine._fused = lambda *args: (calls.append(args), one_call(*args))[1]
     rng = np.random.default_rng(0)
-    recording.shape = f"prefill, {CONTEXT} tokens"
     engine.add_request("r", [int(t) for t in rng.integers(100, engine.vocab_size, CONTEXT)])
     drafted = [int(t) for t in rng.integers(100, engine.vocab_size, max(NODES))]
     for nodes in NODES:
-        recording.shape = "plain decode" if nodes == 0 else f"verify, {nodes} draft nodes"
         engine.verify([VerifyItem("r", DraftTree.chain(drafted[:nodes]) if nodes else DraftTree.empty())])
+    names = [f"prefill, {CONTEXT} tokens"] + [f"verify, {n} draft nodes" if n else "plain decode" for n in NODES]
+    shapes = dict(zip(names, calls, strict=True))
     ways = {"loop": loop, "one call": one_call}
     same_bits = {}
     for shape, args in shapes.items():

@@ -10,9 +10,10 @@ attention. On a 2-core AVX2 CPU with the numba linear layers (SmolLM2-135M, batc
 at c7fd3fb and at 768bb92) a plain step went from 33.9 to 16.5 ms and an 8-node one from 56.8 to 36.6 ms. With the
 numba linear layers, the loop over the layers is itself compiled (`_decoder_layers`): one call from Python per
 forward instead of nine per layer, the same kernels in the same order, so the same bits. The Python it saves is a
-fixed cost per layer: over four runs of `one_call.md` (2-core Zen 4 EPYC, paired rounds in one process) a plain
-step's forward took 0.93-0.95x the loop's time, verify steps of 4, 8 and 16 nodes 0.92-0.94x, 0.94-0.97x and
-0.94-1.00x, and a 512-token prefill, which the kernels' arithmetic dominates, 0.99-1.08x.
+fixed cost per layer: in `one_call.md` (2-core Zen 4 EPYC, paired rounds in one process; its run at 3591045 in
+parentheses) a plain step's forward took 0.95x (0.93x) the loop's time, verify steps of 4, 8 and 16 nodes 0.94x,
+0.94x and 0.96x (0.92x, 0.95x, 0.94x), and a 512-token prefill, which the kernels' arithmetic dominates, 0.99x
+(1.00x).
 
 Every operator works row by row (a row's result never depends on the rows beside it), so the forward stays
 batch-invariant (`cpu_kernels` docstring). The roundings are PyTorch's: RMSNorm in fp32, rounded to bf16, then times
