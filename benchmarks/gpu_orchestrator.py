@@ -122,7 +122,8 @@ def serve_together(engine, step_model, runs: tuple, prompts: list[list[int]], *,
 
 
 def _summary(run, policy: str, micro_batches: int | None, cap: int) -> dict:
-    records = list(run.orchestrator.records)
+    every_step = list(run.orchestrator.records)
+    records = [r for r in every_step if r.batch > 0]  # the verify steps (not those that only prefilled chunks)
     request_steps = sum(r.batch for r in records)
     errors = [abs(r.predicted_s / r.measured_s - 1) for r in records if r.measured_s > 0]
     outputs = [run.outputs[i] for i in run.ids]
@@ -145,7 +146,7 @@ def _summary(run, policy: str, micro_batches: int | None, cap: int) -> dict:
         "tree_steps": int(tree.sum()),
         "plain_step_ms": float(np.median(step_ms[~tree])) if (~tree).any() else None,
         "tree_step_ms": float(np.median(step_ms[tree])) if tree.any() else None,
-        "prefill_s": sum(sum(r.prefill_s) for r in records),
+        "prefill_s": sum(sum(r.prefill_s) for r in every_step),
         "step_model_median_abs_err": float(np.median(errors)) if errors else None,
         "drafter_fallbacks": run.orchestrator.drafter_fallbacks,
     }

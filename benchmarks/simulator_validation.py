@@ -4,7 +4,7 @@
     python -m benchmarks.simulator_validation --source throughput_quick
 
 For each (prompt set, cap, policy) row of the measured run, `tools/simulate.py` serves the same prompts with the
-same policy, cap and token limit through the real orchestrator and drafter, over a `SimulatedEngine` that answers
+same policy, cap, token limit and prefill chunk through the real orchestrator and drafter, over a `SimulatedEngine` that answers
 with the tokens that row actually generated (`throughput_outputs.npz`; bf16 near-ties make them differ from the
 recorded trajectories, and acceptance depends on the exact text). Its step times come from the step-time model of
 the default model's shape on the CPU profile measured in that run (`hardware`), with the coefficients fitted on the
@@ -103,7 +103,7 @@ def validate(measured: dict, *, host_time: str = "plan", fit: str = "group") -> 
         workload = Workload(tuple(trajectories), measured["max_tokens"], tuple(closed_loop_arrivals(len(trajectories))),
                             row["cap"], ignore_eos=measured.get("output_lengths") == "reference")
         sim = simulate(deployment_of_row, workload, row["policy"], drafter, host_time=host_time,
-                       controller_coefficients=start_up).metrics
+                       controller_coefficients=start_up, prefill_chunk=measured.get("prefill_chunk")).metrics
         err = sim["tokens_per_s"] / row["tokens_per_s"] - 1.0
         rows.append({"set": row["set"], "cap": row["cap"], "policy": row["policy"],
                      "measured_tokens_per_s": row["tokens_per_s"], "simulated_tokens_per_s": sim["tokens_per_s"],

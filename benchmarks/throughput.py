@@ -37,10 +37,12 @@ from datastore import Datastore
 from datastore.paths import default_datastore_dir
 from drafter.drafter import Drafter, DrafterConfig
 from orchestrator.budget import BudgetController, BudgetPolicy
-from orchestrator.core import Orchestrator
+from orchestrator.core import Orchestrator, check_prefill_chunk
 from orchestrator.profiling import fit_step_model, measure_hardware
 from orchestrator.request import GenerationRequest
 from orchestrator.roofline import FEATURES, ModelShape, StepTimeModel, nonnegative_lstsq
+from orchestrator.serving.cli import prefill_chunk_arg
+from orchestrator.serving.stack import serving_prefill_chunk
 from tools.prompt_sets import PROMPT_SETS
 from tools.trajectories import load_trajectories, spread, trajectory_path
 from trt_engines.base import CPU_KERNEL_CHOICES
@@ -85,7 +87,7 @@ class PolicyRun:
 
     def __init__(self, engine, drafter, step_model, policy: str, prompts: list[np.ndarray], *, cap: int,
                  max_tokens: int, lengths: list[int] | None = None, micro_batches: int | None = None,
-                 tag: str | None = None):
+                 tag: str | None = None, prefill_chunk: int | None = None):
         self.elapsed = 0.0
         self.step_started: float | None = None
         # Each controller owns its step-time model, as a served orchestrator does: the start-up fit, then refit
@@ -93,7 +95,8 @@ class PolicyRun:
         # policy and every group of the run would predict a cap-1 step from a fit dominated by other batch shapes.
         controller = BudgetController(BudgetPolicy.parse(policy), step_model.clone())
         self.orchestrator = Orchestrator(engine, drafter, controller, max_running=cap, clock=self.clock,
-                                         offline_batch=True, micro_batches=micro_batches)
+                                         offline_batch=True, micro_batches=micro_batches,
+                                         prefill_chunk=prefill_chunk)
         self.finished: dict[str, float] = {}
         self.outputs: dict[str, list[int]] = {}
         self.steps: dict[str, int] = {}
@@ -136,7 +139,8 @@ class PolicyRun:
 
 
 def serve_side_by_side(engine, drafter, step_model, policies: list[str], prompts: list[np.ndarray], *, cap: int,
-                       max_tokens: int, lengths: list[int] | None = None) -> dict[str, dict]:
+                       max_tokens: int, lengths: list[int] | None = None,
+                       prefill_chunk: int | str | None = "auto") -> dict[str, dict]:
     """Serve every prompt (all arriving at t=0, at most `cap` running) with every policy at once, interleaved step by
     step: the next step is always the one of the policy furthest behind in its own work (tokens generated / tokens
     to generate), each policy timed on its own clock (the sum of its own steps' wall time).
@@ -153,25 +157,36 @@ def serve_side_by_side(engine, drafter, step_model, policies: list[str], prompts
     drafts with its own `drafter.fresh()`: an output history shared between policies would let one draft a prompt
     from another's output for the same prompt.
     `lengths` (per prompt) fixes every request's output length, EOS ignored; otherwise up to `max_tokens` or EOS.
+    `prefill_chunk`: the orchestrators' ("auto": what the server runs on this engine, `serving_prefill_chunk`).
+    Chunked, a group's admissions are many short steps that take turns with the other policies' steps, instead of
+    one long step per policy. Whole, the first step at cap 32 admitted 32 prompts (half the group's prefill, 2-8 s),
+    and a burst of background load during one policy's block hit that policy alone. Prefill is the same work for
+    every policy, yet its seconds differed by up to 13% between the policies of one group (MT-Bench cap 32 at
+    430441d: `none` 4.50 s, the others 4.92-5.24 s). That decided goodput / none there: 0.967 over the row, 0.991
+    over the rest of its time.
     """
+    prefill_chunk = serving_prefill_chunk(prefill_chunk, engine)
     engine.reset_prefix_cache()  # an earlier run's blocks of these prompts would make their prefills free
     runs = {p: PolicyRun(engine, drafter.fresh(), step_model, p, prompts, cap=cap, max_tokens=max_tokens,
-                         lengths=lengths)
+                         lengths=lengths, prefill_chunk=prefill_chunk)
             for p in policies}
     interleave(list(runs.values()))
     return {p: _summarize_run(r) for p, r in runs.items()}
 
 
 def interleave(runs: list[PolicyRun]) -> None:
-    """Step the runs until all are idle, always the one furthest behind in its work (`serve_side_by_side`; ties:
-    the first in `runs`)."""
+    """Step the runs until all are idle, always the one furthest behind in its work (`serve_side_by_side`; ties,
+    such as the steps that prefill a group's first prompts before any token: the one with fewer steps, then the
+    first in `runs`, so that they take turns)."""
     while busy := [r for r in runs if not r.orchestrator.idle]:
-        min(busy, key=lambda r: r.progress).step(shared=len(busy) == len(runs))
+        min(busy, key=lambda r: (r.progress, r.own_steps)).step(shared=len(busy) == len(runs))
 
 
-def serve(engine, drafter, step_model, policy: str, prompts: list[np.ndarray], *, cap: int, max_tokens: int):
+def serve(engine, drafter, step_model, policy: str, prompts: list[np.ndarray], *, cap: int, max_tokens: int,
+          prefill_chunk: int | str | None = "auto"):
     """Serve every prompt with one policy alone; per-request outputs and timings."""
-    return serve_side_by_side(engine, drafter, step_model, [policy], prompts, cap=cap, max_tokens=max_tokens)[policy]
+    return serve_side_by_side(engine, drafter, step_model, [policy], prompts, cap=cap, max_tokens=max_tokens,
+                              prefill_chunk=prefill_chunk)[policy]
 
 
 def _summarize_run(run: PolicyRun) -> dict:
@@ -179,17 +194,19 @@ def _summarize_run(run: PolicyRun) -> dict:
     wall = run.elapsed
     latencies = np.array([run.finished[i] for i in ids])
     n_tokens = sum(len(outputs[i]) for i in ids)
-    records = list(orchestrator.records)
+    every_step = list(orchestrator.records)  # prefills included: with chunks, steps that only prefilled (batch 0)
+    records = [r for r in every_step if r.batch > 0]  # the verify steps
     step_errors = [abs(r.predicted_s - r.measured_s) / r.measured_s for r in records if r.measured_s > 0]
-    # (tokens computed, seconds, tokens read from the prefix cache: the computed ones attend over them)
-    prefills = [(n, t, c) for r in records for n, t, c in zip(r.prefill_tokens, r.prefill_s, r.prefill_cached)]
+    # (tokens computed, seconds, tokens already cached that they attended to: the prefix-cache hit of an admission,
+    # or that and the prompt's earlier chunks)
+    prefills = [(n, t, c) for r in every_step for n, t, c in zip(r.prefill_tokens, r.prefill_s, r.prefill_context)]
     model = orchestrator.budget.step_model
     samples = [(model.features(1.0 + np.asarray(r.nodes, np.float64), np.asarray(r.context, np.float64)), r.measured_s)
                for r in records]
     verify_s, prefill_s = sum(r.measured_s for r in records), sum(t for _, t, _ in prefills)
     draft_s, budget_s = sum(r.draft_s for r in records), sum(r.budget_s for r in records)
     # Host work that is neither verification, drafting, budgeting nor prefill: acceptance, KV commits, streaming.
-    host_steps = [(r.batch, r.step_s - r.measured_s - r.draft_s - r.budget_s - sum(r.prefill_s)) for r in records]
+    host_steps = [(r.batch, r.step_s - r.measured_s - r.draft_s - r.budget_s - sum(r.prefill_s)) for r in every_step]
     return {
         "outputs": [outputs[i] for i in ids],
         "tokens": n_tokens,
@@ -228,7 +245,8 @@ def group_sample(trajectories: list, cap: int, prompts_per_cap) -> list:
 
 
 def run(sets: list[str], caps: list[int], policies: list[str], *, prompts_per_cap, max_tokens: int,
-        identity_prompts: int, rounds: int = 1, cpu_kernels: str = "auto") -> dict:
+        identity_prompts: int, rounds: int = 1, cpu_kernels: str = "auto",
+        prefill_chunk: int | str | None = "auto") -> dict:
     """Every (set, cap) serves its prompts with all policies side by side (`serve_side_by_side`), `rounds` times;
     a row reports its fastest round."""
     torch.set_num_threads(os.cpu_count() or 2)
@@ -237,6 +255,7 @@ def run(sets: list[str], caps: list[int], policies: list[str], *, prompts_per_ca
     num_blocks = len(policies) * max(caps) * -(-(longest + max_tokens + 65) // 16) + 64
     engine, drafter, step_model, fit_error = build_stack(torch.bfloat16, num_blocks=num_blocks, cpu_kernels=cpu_kernels)
     initial_coefficients = step_model.coefficients.tolist()
+    chunk = serving_prefill_chunk(prefill_chunk, engine)
     rows, divergences, all_errors, prefills, group_fits, all_samples = [], [], [], [], [], []
     outputs: dict[str, np.ndarray] = {}
     for set_name in sets:
@@ -254,7 +273,8 @@ def run(sets: list[str], caps: list[int], policies: list[str], *, prompts_per_ca
             for r in range(rounds):
                 order = policies[r % len(policies):] + policies[: r % len(policies)]
                 for policy, result in serve_side_by_side(engine, drafter, step_model, order, prompts, cap=cap,
-                                                         max_tokens=max_tokens, lengths=lengths).items():
+                                                         max_tokens=max_tokens, lengths=lengths,
+                                                         prefill_chunk=chunk).items():
                     runs[policy].append(result)
             reference = runs["none"][0]["outputs"] if "none" in runs else None
             group = []
@@ -294,14 +314,15 @@ def run(sets: list[str], caps: list[int], policies: list[str], *, prompts_per_ca
     per_set = -(-identity_prompts // len(sets))
     identity_prompts_ids = [t.prompt_ids for name in sets
                             for t in load_trajectories(trajectory_path(name, "eval"))[:per_set]]
-    identity = (identity_check(identity_prompts_ids, policies, max_tokens=min(max_tokens, 48)) if identity_prompts
-                else None)
+    identity = (identity_check(identity_prompts_ids, policies, max_tokens=min(max_tokens, 48),
+                               prefill_chunk=prefill_chunk) if identity_prompts else None)
     return {"rows": rows, "bf16_divergences": divergences, "step_fit_error": fit_error,
             "batch_invariant": engine.batch_invariant,
             "cpu_kernels": engine.cpu_kernels,  # where numba kernels run (`TorchEngine`): "numba", "attention" or "torch"
             "output_lengths": "reference",  # each request: its recorded trajectory's length, EOS ignored
             "prompt_sample": "spread",  # a row's prompts: `tools.trajectories.spread` over the eval set
             "interleave": "progress",  # `serve_side_by_side`: the policy furthest behind steps next (was: in turns)
+            "prefill_chunk": chunk,  # prompt tokens a step prefilled at most (None: whole prompts at admission)
             "step_model_median_abs_err": float(np.median(all_errors)) if all_errors else None,
             "identity": identity, "rounds": rounds, "group_fits": group_fits,
             "hardware": dataclasses.asdict(step_model.hardware),
@@ -337,17 +358,19 @@ def fit_host_overhead(host_steps: list[tuple[int, float]]) -> list[float]:
 
 def identity_check(prompts: list[np.ndarray], policies: list[str], *, max_tokens: int, cap: int = 8,
                    dtype: torch.dtype = torch.float32, batch_invariant: bool | None = None,
-                   cpu_kernels: str = "auto") -> dict:
+                   cpu_kernels: str = "auto", prefill_chunk: int | str | None = "auto") -> dict:
     """Every policy's outputs against `none`'s, token for token (fp32: they must all be equal); for each output that
     differs, the top-2 logit gap at the first differing position."""
     engine, drafter, step_model, _ = build_stack(dtype, num_blocks=4096, batch_invariant=batch_invariant,
                                                  cpu_kernels=cpu_kernels)
-    reference = serve(engine, drafter, step_model, "none", prompts, cap=cap, max_tokens=max_tokens)["outputs"]
+    reference = serve(engine, drafter, step_model, "none", prompts, cap=cap, max_tokens=max_tokens,
+                      prefill_chunk=prefill_chunk)["outputs"]
     per_policy, gaps = {}, []
     for policy in policies:
         if policy == "none":
             continue
-        outs = serve(engine, drafter.fresh(), step_model, policy, prompts, cap=cap, max_tokens=max_tokens)["outputs"]
+        outs = serve(engine, drafter.fresh(), step_model, policy, prompts, cap=cap, max_tokens=max_tokens,
+                     prefill_chunk=prefill_chunk)["outputs"]
         same = [a == b for a, b in zip(reference, outs)]
         per_policy[policy] = {"identical": int(sum(same)), "compared": len(same)}
         gaps += [first_divergence_gap(engine, p, a, b)["top2_logit_gap"]
@@ -403,7 +426,9 @@ def write_markdown(path: Path, result: dict) -> None:
         (f"Each request generates its reference length (its recorded greedy output's, at most {result['max_tokens']} "
          "tokens), EOS ignored, so every policy does the same work (in bf16 outputs may part at near-ties); "
          if result.get("output_lengths") == "reference" else f"{result['max_tokens']} new tokens per request; ")
-        + "all requests arrive at t=0; at most `cap` run at once. "
+        + "all requests arrive at t=0; at most `cap` run at once"
+        + (f", and a step prefills at most {result['prefill_chunk']} prompt tokens (chunked prefill, as the server runs "
+           "this engine). " if result.get("prefill_chunk") else ". ")
         + ("A row's prompts are spread evenly over the set's eval prompts (for MT-Bench: every category)."
            if result.get("prompt_sample") == "spread" else "A row's prompts are the set's first eval prompts."),
         ("All policies of a (set, cap) run side by side, interleaved step by step: the policy furthest behind in its "
@@ -498,6 +523,9 @@ def check_replaceable(name: str, shapes: dict[tuple[str, int], list[tuple[str, i
     if old.get("interleave", "turns") != new.get("interleave", "turns"):
         raise SystemExit(f"--replace-groups: {path.name} interleaved its policies another way "
                          f"({old.get('interleave', 'turns')}); rerun the whole benchmark")
+    if old.get("prefill_chunk") != new.get("prefill_chunk"):
+        raise SystemExit(f"--replace-groups: {path.name} prefilled {old.get('prefill_chunk') or 'whole'} prompt tokens "
+                         f"per step; pass --prefill-chunk {old.get('prefill_chunk') or 0}")
     if _kernel_mode(old) != _kernel_mode(new):
         raise SystemExit(f"--replace-groups: {path.name} ran its engine with cpu_kernels {_kernel_mode(old)!r}; pass "
                          f"--cpu-kernels {_kernel_mode(old)}")
@@ -601,6 +629,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--note", help="with --replace-groups: why the groups were re-measured (recorded)")
     parser.add_argument("--cpu-kernels", default="auto", choices=CPU_KERNEL_CHOICES,
                         help="where the bf16 engine runs numba kernels (`TorchEngine`); auto: by the CPU")
+    parser.add_argument("--prefill-chunk", type=prefill_chunk_arg, default="auto",
+                        help="prompt tokens a step may prefill; 0: whole prompts at admission (default: auto, what the "
+                        "server runs on this engine: 256 for bf16 on the CPU, whole prompts in fp32)")
     args = parser.parse_args(argv)
     if args.quick:
         args.sets, args.caps = ["grounded", "mtbench"], [1, 4]
@@ -630,6 +661,11 @@ def main(argv: list[str] | None = None) -> int:
                                   ("--rounds", [args.rounds], 1), ("--identity-prompts", [args.identity_prompts], 0)):
         if min(values) < least:
             parser.error(f"{option} must be >= {least}; got {min(values)}")
+    if args.prefill_chunk not in ("auto", None):
+        try:
+            check_prefill_chunk(args.prefill_chunk)
+        except ValueError as exc:
+            parser.error(f"--prefill-chunk: {exc}")
     if args.name is not None and (problem := result_name_problem(args.name)):
         parser.error(f"--name {problem}")
     name = args.name or ("throughput_quick" if args.quick else "throughput")
@@ -639,7 +675,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     result = run(args.sets, args.caps, args.policies, prompts_per_cap=prompts_per_cap, max_tokens=args.max_tokens,
                  identity_prompts=0 if args.replace_groups else args.identity_prompts, rounds=args.rounds,
-                 cpu_kernels=args.cpu_kernels)
+                 cpu_kernels=args.cpu_kernels, prefill_chunk=args.prefill_chunk)
     command = recorded_command(argv if argv is not None else sys.argv[1:])
     result["max_tokens"] = args.max_tokens
     result["seconds"] = round(time.perf_counter() - started, 1)

@@ -59,7 +59,8 @@ OutputCallback = Callable[[RequestOutput], None]
 
 @dataclass
 class StepRecord:
-    """What one step decided and what happened (for metrics and plots)."""
+    """What one step decided and what happened (for metrics and plots). `batch` 0: a step that only prefilled
+    (chunks of prompts while no request was running yet), with no verify."""
 
     batch: int
     prefills: int
@@ -233,7 +234,7 @@ class Orchestrator:
         self._drafter_idle()
         prefills = self._admit()
         if not self.running:
-            return None
+            return self._prefill_only_record(prefills, started) if self._prefills else None
         micro_batches = self._micro_batches_now()
         states = list(self.running.values())
         if micro_batches > 1:  # the requests drafted ahead, else the front of the rotation
@@ -308,6 +309,20 @@ class Orchestrator:
             for state in states:
                 if state.request_id in self.running:
                     self.running[state.request_id] = self.running.pop(state.request_id)
+        return record
+
+    def _prefill_only_record(self, prefills: int, started: float) -> StepRecord:
+        """A step that only prefilled (chunks of prompts, none running yet): batch 0, no verify. Recorded, so that
+        the step records account for every prompt token's prefill and its seconds, as with whole prefills (where a
+        request's prefill shares the step of its first verify)."""
+        record = StepRecord(
+            batch=0, prefills=prefills, nodes=[], predicted_tokens=0.0, realized_tokens=0, predicted_s=0.0,
+            measured_s=0.0, draft_s=0.0, step_s=time.perf_counter() - started, fallbacks=0,
+            prefill_tokens=[p[0] for p in self._prefills], prefill_s=[p[1] for p in self._prefills],
+            prefill_cached=[p[2] for p in self._prefills], prefill_context=[p[3] for p in self._prefills],
+            drafted_now=0,
+        )
+        self.records.append(record)
         return record
 
     def _micro_batches_now(self) -> int:

@@ -29,6 +29,8 @@ def refused_before_running(monkeypatch, owner, measuring: str, main, argv: list[
     (["--identity-prompts", "-1"], "--identity-prompts must be >= 0; got -1"),
     (["--policies", "none", "fixed:0"], "--policies: policy 'fixed:0': `fixed:B` needs a whole number of nodes"),
     (["--name", "../elsewhere"], "--name '../elsewhere': a file name in benchmarks/results"),
+    (["--prefill-chunk", "-8"], "--prefill-chunk: prefill_chunk must be an int >= 1 (prompt tokens per step)"),
+    (["--prefill-chunk", "whole"], "expected auto, 0 (whole prompts) or prompt tokens per step, got 'whole'"),
 ])
 def test_throughput_refuses_bad_options_before_measuring(monkeypatch, capsys, argv, message):
     refused_before_running(monkeypatch, throughput, "run", throughput.main, argv)

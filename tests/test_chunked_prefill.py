@@ -154,13 +154,39 @@ def test_a_long_prompt_is_prefilled_over_steps_while_running_requests_decode(eng
 
 
 @needs_model
+def test_steps_that_only_prefill_are_recorded_so_every_prompt_token_is_accounted(engine):
+    # A lone prompt in chunks: no request runs until its last chunk, and those steps verify nothing. They are
+    # still step records (batch 0), so the records hold every chunk's tokens and seconds, as they hold a whole
+    # prefill's; the serving metrics count only verification steps.
+    from orchestrator.serving.metrics import ServingMetrics
+
+    engine.reset_prefix_cache()
+    orchestrator = _orchestrator(engine, policy="none", prefill_chunk=32)
+    orchestrator.submit(GenerationRequest(prompt_ids=tuple(range(1, 101)), max_tokens=4, ignore_eos=True))
+    orchestrator.run_until_idle()
+    records = list(orchestrator.records)
+    assert [(r.batch, r.prefill_tokens, r.prefill_context) for r in records[:4]] == [
+        (0, [32], [0]), (0, [32], [32]), (0, [32], [64]), (1, [4], [96])]
+    assert sum(sum(r.prefill_tokens) for r in records) == 100
+    assert all(r.step_s >= sum(r.prefill_s) > 0 for r in records[:4])
+    metrics = ServingMetrics()
+    for r in records:
+        metrics.observe_step(r)
+    verify_steps = sum(r.batch > 0 for r in records)
+    assert verify_steps == len(records) - 3
+    assert metrics.registry.get_sample_value("retrospec_steps_total") == verify_steps
+    assert engine.free_blocks() == BLOCKS
+
+
+@needs_model
 def test_cancelling_a_request_mid_prefill_frees_its_blocks(engine):
     engine.reset_prefix_cache()
     orchestrator = _orchestrator(engine, policy="none", prefill_chunk=16)
     finished = []
     rid = orchestrator.submit(GenerationRequest(prompt_ids=tuple(range(1, 101)), max_tokens=8),
                               lambda out: finished.append(out) if out.finished else None)
-    assert orchestrator.step() is None  # prefilled its first chunk; nothing runs yet
+    record = orchestrator.step()  # prefilled its first chunk; nothing runs yet: a step without a verify
+    assert record.batch == 0 and record.prefill_tokens == [16] and record.measured_s == 0.0
     assert rid in orchestrator.prefilling and rid in orchestrator.request_ids() and not orchestrator.idle
     assert engine.prompt_tokens_left(rid) == 84
     assert orchestrator.cancel(rid)

@@ -145,6 +145,29 @@ def test_the_throughput_benchmark_keeps_its_policies_side_by_side_to_the_end(eng
     assert results["none"]["shared_steps_fraction"] >= 0.9
     assert results["fixed:4"]["shared_steps_fraction"] >= 0.9
 
+
+def test_the_throughput_benchmark_takes_turns_while_its_policies_prefill_in_chunks(engine, datastore, prompt_ids):
+    # Before any token every policy's progress is 0: the tie goes to the one with fewer steps, so the steps that
+    # prefill a group's first prompts alternate instead of one policy prefilling all of its own first.
+    from benchmarks.throughput import PolicyRun, interleave
+
+    model = StepTimeModel(ModelShape.from_config(default_model_dir()), CPU, dtype="float32")
+    drafter = Drafter(DrafterConfig(), datastores=[datastore])
+    prompts = [np.asarray(prompt_ids[i]) for i in (0, 1)]
+    chunk = 4
+    assert min(len(p) for p in prompts) > 3 * chunk  # three steps or more before each policy's first token
+    runs = [PolicyRun(engine, drafter.fresh(), model, policy, prompts, cap=2, max_tokens=6, lengths=[6, 6],
+                      prefill_chunk=chunk) for policy in ("none", "fixed:4")]
+    order: list[str] = []
+    for run in runs:
+        run.step = lambda *, shared, run=run, step=run.step: (order.append(run.orchestrator.budget.policy.kind),
+                                                              step(shared=shared))
+    interleave(runs)
+    assert order[:6] == ["none", "fixed"] * 3
+    assert max(r.orchestrator.records[0].prefill_tokens[0] for r in runs) == chunk  # prefilled in chunks
+    assert runs[0].outputs and runs[0].outputs == {k.replace("fixed4", "none"): v for k, v in runs[1].outputs.items()}
+    assert all(len(out) == 6 for out in runs[0].outputs.values())
+
 def test_stop_token_stop_string_and_max_tokens(engine, datastore, tokenizer, prompt_ids, reference):
     orchestrator = make_orchestrator(engine, datastore, "goodput", tokenizer=tokenizer)
     ref = reference[0]

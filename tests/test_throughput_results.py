@@ -74,6 +74,9 @@ def test_replacing_a_group_the_file_never_measured_is_refused_and_changes_nothin
     with pytest.raises(SystemExit, match="interleaved its policies another way"):  # the file's rows took turns
         throughput.replace_groups("throughput", {**new, "rows": [_row("a", 1, "none", 9.0)],
                                                  "interleave": "progress"}, command="c", note=None)
+    with pytest.raises(SystemExit, match="--prefill-chunk 0"):  # the file's rows prefilled whole prompts
+        throughput.replace_groups("throughput", {**new, "rows": [_row("a", 1, "none", 9.0)],
+                                                 "prefill_chunk": 256}, command="c", note=None)
     assert (tmp_path / "throughput.json").read_text() == before
     numba_file = json.dumps({**json.loads(before), "cpu_kernels": True})  # older files: a bool (True: "numba")
     (tmp_path / "throughput.json").write_text(numba_file)

@@ -302,7 +302,7 @@ def simulate(deployment: Deployment, workload: Workload, policy: str, drafter, *
     ttft = np.array([line.first - line.arrival for line in lines])
     tpot = np.array([(line.done - line.first) / (len(line.tokens) - 1) for line in lines if len(line.tokens) > 1])
     gaps = np.array([gap for line in lines for gap in line.gaps])
-    records = list(orchestrator.records)
+    records = [r for r in orchestrator.records if r.batch > 0]  # the verify steps (not those that only prefilled)
     start = min(line.arrival for line in lines)
     seconds = max(line.done for line in lines) - start
     metrics = {

@@ -44,14 +44,14 @@ def _config_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--micro-batches", type=int, default=None,
                    help="split the running batch into this many micro-batches that take turns, one drafted while "
                    "another is verified (SPIN); 1: never (default: decide each step; never on a CPU-only machine)")
-    g.add_argument("--prefill-chunk", type=_prefill_chunk, default="auto",
+    g.add_argument("--prefill-chunk", type=prefill_chunk_arg, default="auto",
                    help="chunked prefill: prompt tokens a step may compute, so a long prompt is prefilled over several "
                    "steps while the running requests keep decoding; 0: whole prompts at admission (default: auto, "
                    "256 where chunks change no bit: bf16 on the CPU; whole prompts elsewhere)")
 
 
-def _prefill_chunk(text: str) -> int | str | None:
-    """--prefill-chunk: "auto", 0 (whole prompts) or prompt tokens per step."""
+def prefill_chunk_arg(text: str) -> int | str | None:
+    """A --prefill-chunk argument: "auto", 0 (whole prompts: None) or prompt tokens per step."""
     if text == "auto":
         return text
     try:

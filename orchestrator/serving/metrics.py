@@ -79,6 +79,8 @@ class ServingMetrics:
         self.free_kv_blocks = Gauge("retrospec_free_kv_blocks", "Free KV-cache blocks", registry=r)
 
     def observe_step(self, record: StepRecord) -> None:
+        if record.batch == 0:  # it only prefilled: no verification step
+            return
         nodes = sum(record.nodes)
         self.steps.inc()
         self.request_steps.inc(record.batch)
