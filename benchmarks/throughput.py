@@ -6,7 +6,8 @@
 For each prompt set (recorded eval prompts, `tools/record_trajectories.py`) and concurrency cap, every policy
 (`none`, `fixed:4`, `fixed:16`, `fixed:32`, `roofline`, `goodput`) serves the same prompts through `Orchestrator`
 (all requests submitted at t=0, at most `cap` running; twice as many prompts as the cap, at least 16, each
-generating its reference length with EOS ignored, so every policy does the same work). Reports output tokens/s, mean
+generating its reference length with EOS ignored, so every policy does the same work; prompts prefilled in chunks
+where the server would chunk them, `--prefill-chunk`). Reports output tokens/s, mean
 and p90 request latency, tau (tokens per request-step) and speedup over `none`; the step-time model's median
 relative error over every step; and losslessness: an fp32 run in which every policy's outputs must equal `none`'s token for token
 (`identical_outputs_fraction`), plus, for the bf16 runs, each divergence from `none` with the gap between the top-2
