@@ -162,7 +162,7 @@ def serve_side_by_side(engine, drafter, step_model, policies: list[str], prompts
     Chunked, a group's admissions are many short steps that take turns with the other policies' steps, instead of
     one long step per policy. Whole, the first step at cap 32 admitted 32 prompts (half the group's prefill, 2-8 s),
     and a burst of background load during one policy's block hit that policy alone. Prefill is the same work for
-    every policy, yet its seconds differed by up to 13% between the policies of one group (MT-Bench cap 32 at
+    every policy, yet its seconds differed by up to 16% between the policies of one group (MT-Bench cap 32 at
     430441d: `none` 4.50 s, the others 4.92-5.24 s). That decided goodput / none there: 0.967 over the row, 0.991
     over the rest of its time.
     """
