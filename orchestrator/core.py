@@ -299,8 +299,7 @@ class Orchestrator:
             predicted_tokens=float(decision.predicted_tokens.sum()), realized_tokens=realized,
             predicted_s=decision.predicted_step_s, measured_s=measured_s, draft_s=draft_s, budget_s=budget_s,
             step_s=time.perf_counter() - started, fallbacks=fallbacks,
-            prefill_tokens=[p[0] for p in self._prefills], prefill_s=[p[1] for p in self._prefills],
-            prefill_cached=[p[2] for p in self._prefills], prefill_context=[p[3] for p in self._prefills],
+            **self._prefill_fields(),
             context=context.astype(int).tolist(), micro_batches=micro_batches, overlapped_draft_s=overlapped_s,
             drafted_now=drafted_now,
         )
@@ -311,6 +310,11 @@ class Orchestrator:
                     self.running[state.request_id] = self.running.pop(state.request_id)
         return record
 
+    def _prefill_fields(self) -> dict[str, list]:
+        """This step's prefill calls as `StepRecord`'s per-call fields."""
+        names = ("prefill_tokens", "prefill_s", "prefill_cached", "prefill_context")  # `_prefills`' tuple order
+        return {name: [call[i] for call in self._prefills] for i, name in enumerate(names)}
+
     def _prefill_only_record(self, prefills: int, started: float) -> StepRecord:
         """A step that only prefilled (chunks of prompts, none running yet): batch 0, no verify. Recorded, so that
         the step records account for every prompt token's prefill and its seconds, as with whole prefills (where a
@@ -318,8 +322,7 @@ class Orchestrator:
         record = StepRecord(
             batch=0, prefills=prefills, nodes=[], predicted_tokens=0.0, realized_tokens=0, predicted_s=0.0,
             measured_s=0.0, draft_s=0.0, step_s=time.perf_counter() - started, fallbacks=0,
-            prefill_tokens=[p[0] for p in self._prefills], prefill_s=[p[1] for p in self._prefills],
-            prefill_cached=[p[2] for p in self._prefills], prefill_context=[p[3] for p in self._prefills],
+            **self._prefill_fields(),
             drafted_now=0,
         )
         self.records.append(record)
