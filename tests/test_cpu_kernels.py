@@ -91,8 +91,8 @@ def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("out_features, rows", [(960, 1), (576, 2), (500, 9), (963, 7), (64, 70), (5, 129)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_is_the_bf16_rounding_of_the_fp32_product(out_features, rows, with_bias):
-    # Rows beyond one kernel call (64), row counts that leave a partial group of six (1, 2 or 3 rows take several
-    # tiles per pass), output sizes that are not a multiple of the 16-feature tiles (padded)
+    # Rows beyond one kernel call (64), row counts that leave a partial group of six (1, 2 or 3 rows may take several
+    # tiles per pass: `_tiles_per_pass`), output sizes that are not a multiple of the 16-feature tiles (padded)
     rng = np.random.default_rng(out_features + rows)
     weight, x = _bf16(rng, out_features, 576), _bf16(rng, rows, 576)
     bias = _bf16(rng, out_features) if with_bias else None

@@ -715,23 +715,34 @@ _dot_products_3x8p = _dot_products(3, SCORE_LANES, paired=True)
 _dot_products_2x8p = _dot_products(2, SCORE_LANES, paired=True)
 
 
-def _tiles_per_pass(b, rows):  # pragma: no cover - replaced by the overload inside numba
+def _tiles_per_pass(b, rows, from_memory):  # pragma: no cover - replaced by the overload inside numba
     raise NotImplementedError
 
 
 @overload(_tiles_per_pass, inline="always")
-def _tiles_per_pass_overload(b, rows):
+def _tiles_per_pass_overload(b, rows, from_memory):
     """Tiles a pass of `rows` rows of xf takes at once over weights b: enough independent chains (2 x rows x tiles, at
     most the 12 accumulators) to cover a fused multiply-add's latency (8 chains on AVX2 cores: two units, four
     cycles). Three rows over paired weights (uint32, `Bf16Linear`) take one tile: two would need a 17th register
     (AVX2 has 16) for the zero vector that splits each weight vector's halves, and with the spills three rows took
     1.11-1.19x the unpaired 3 x 2 pass's time over the model's linear layers; with one tile, 0.98-1.11x (four
-    paired A/B runs, AVX2 EPYC: this host's noise)."""
-    three_rows_tiles = 1 if b.dtype == types.uint32 and b.ndim == 2 else 2  # bf16 pairs need no zero vector
+    paired A/B runs, AVX2 EPYC: this host's noise).
 
-    def tiles_per_pass(b, rows):
+    Over bf16 pairs (VDPBF16PS: a 3D b), two or three rows that stream their weights from memory (`from_memory`: all
+    of a call's rows, not the rest after full groups of TILE_ROWS, whose tiles come from cache) take one tile a pass
+    too. There the stream, not the chains, sets the time: with two tiles a pass, two and three rows took longer over
+    the model's linear layers than four (`linear_rows.md` at 6b737dc: 12.3 and 12.8 ms against 11.9). One tile took
+    0.82-0.94x the time for two and three rows; as the rest after 12 rows (14 and 15 rows), from cache, where the
+    chains set the time, 1.02-1.05x, so that rest keeps two (one-off A/Bs in one process, four runs of 30-40
+    interleaved rounds, 2-core Zen 4 EPYC, the same bits)."""
+    three_rows_tiles = 1 if b.dtype == types.uint32 and b.ndim == 2 else 2  # bf16 pairs need no zero vector
+    pairs = b.ndim == 3
+
+    def tiles_per_pass(b, rows, from_memory):
         if rows == 1:
             return 4
+        if pairs and from_memory:
+            return 1
         if rows == 2:
             return 2
         if rows == 3:
@@ -786,7 +797,8 @@ def _times_tiles(xf, b, b_row, b_col, b_row_step, b_col_step, tiles, k_dim, out,
 
     Up to TILE_ROWS rows go in one pass per tile, or per two or four tiles where they are one or two rows, or three
     over fp32 b (`_tiles_per_pass`: fewer chains would leave the FMA units waiting on each one's latency, and
-    several weight streams at once also read memory faster). More rows go TILE_ROWS at a time, each tile meeting
+    several weight streams at once also read memory faster; over bf16 pairs, two or three rows that read the
+    weights from memory take one tile a pass). More rows go TILE_ROWS at a time, each tile meeting
     every group in turn: the first reads it from memory, the rest from L1; then the remaining rows go over the tiles
     as a group of their own, as many tiles per pass as that many rows take alone (from L2). One tile per pass for
     them made a seventh row cost 5.4 ms over the model's linear layers, about three rows' arithmetic: a lone row's
@@ -795,7 +807,8 @@ def _times_tiles(xf, b, b_row, b_col, b_row_step, b_col_step, tiles, k_dim, out,
     computes it, so TILE_ROWS (6 on AVX2, 12 on AVX-512) changes no bit."""
     rows = xf.shape[0]
     if rows <= TILE_ROWS:
-        _rows_times_tiles(xf, b, b_row, b_col, b_row_step, b_col_step, tiles, k_dim, out, out_col, 0, rows, slots)
+        _rows_times_tiles(xf, b, b_row, b_col, b_row_step, b_col_step, tiles, k_dim, out, out_col, 0, rows, True,
+                          slots)
         return
     full = rows - rows % TILE_ROWS
     for t in range(tiles):
@@ -804,13 +817,15 @@ def _times_tiles(xf, b, b_row, b_col, b_row_step, b_col_step, tiles, k_dim, out,
                       out_col + t * LANES, TILE_ROWS, 1, slots)
     if full < rows:  # the rest as a group of its own (one or two rows, or three over fp32: several tiles a pass)
         _rows_times_tiles(xf, b, b_row, b_col, b_row_step, b_col_step, tiles, k_dim, out, out_col, full, rows - full,
-                          slots)
+                          False, slots)
 
 
 @njit(inline="always")
-def _rows_times_tiles(xf, b, b_row, b_col, b_row_step, b_col_step, tiles, k_dim, out, out_col, m0, rows, slots):
-    """`_times_tiles` for rows m0 .. m0 + rows - 1 (at most TILE_ROWS), `_tiles_per_pass(rows)` tiles per pass."""
-    per_pass = _tiles_per_pass(b, rows)
+def _rows_times_tiles(xf, b, b_row, b_col, b_row_step, b_col_step, tiles, k_dim, out, out_col, m0, rows, from_memory,
+                      slots):
+    """`_times_tiles` for rows m0 .. m0 + rows - 1 (at most TILE_ROWS), `_tiles_per_pass` tiles per pass
+    (`from_memory`: these rows are the call's first to read the tiles)."""
+    per_pass = _tiles_per_pass(b, rows, from_memory)
     t = 0
     while t < tiles:
         take = per_pass if t + per_pass <= tiles else 1
