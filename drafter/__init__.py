@@ -1,1 +1,3 @@
 """retrospec: drafter."""
+
+import kernel_cache  # noqa: F401  (first: numba's cache of our kernels follows their imports)
