@@ -143,6 +143,7 @@ class ImportsStampLocator(caching._CacheLocator):
         return None
 
 
-_LOCATORS = caching.CacheImpl._locator_classes  # the list numba's caches read (shared by its subclasses)
+_CACHE_IMPL = getattr(caching, "CacheImpl", None) or caching._CacheImpl  # `_CacheImpl` in older numba
+_LOCATORS = _CACHE_IMPL._locator_classes  # the list numba's caches read (shared by its subclasses)
 if ImportsStampLocator not in _LOCATORS:
     _LOCATORS.insert(0, ImportsStampLocator)
