@@ -14,8 +14,10 @@ Vocabulary
 Worked example (threshold 50, K = 100): prefix `a b c d` has 12 matches -> 12 rows; 12 < 50 so `b c d` is queried:
 300 matches, 100 sampled rows -> the merged trie's root count is 112 and back-off stops; match length = 4.
 
-The tries of all (datastore, request) groups live in shared flat arrays `tok, cnt, first, sib` (group g's nodes are
-a contiguous block starting at its root); `roots[b, k]` is -1 when datastore k gave request b nothing.
+A request's tries (one per datastore) live in flat arrays `tok, cnt, first, sib` of its own (`request_tries`; each
+datastore's nodes a contiguous block starting at its root), so requests are looked up independently, in parallel
+inside the drafter's kernel; `lookup_tries` lays a batch's end to end. `roots[b, k]` is -1 when datastore k gave
+request b nothing.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 
 import numba as nb
 import numpy as np
+from numba import typed
 
 from datastore.kernels import gather_one, ranges_one, split_k
 
@@ -165,47 +168,78 @@ def _read_only_empty(dtype) -> np.ndarray:
 NO_DATASTORE = ((_read_only_empty(np.uint16),), (_read_only_empty(np.int32),), -1)
 
 
-def kernel_datastores(datastores: Sequence) -> tuple:
-    """`lookup_tries`' `datastores`: each one's `kernel_arrays()`, its shards padded with empty ones to the most any
-    of them has, so that all are of one type (a compiled loop can index them; an empty shard matches nothing, so
-    it changes no lookup). Every datastore of a drafter has its vocabulary, so its token encoding."""
+def kernel_datastores(datastores: Sequence) -> typed.List:
+    """`request_tries`' and `lookup_tries`' `datastores`: each one's `kernel_arrays()`, its shards padded with empty
+    ones to the most any of them has, so that all are of one type (a compiled loop can index them; an empty shard
+    matches nothing, so it changes no lookup). Every datastore of a drafter has its vocabulary, so its token
+    encoding. A numba typed list rather than a tuple: a parallel loop's body cannot take a tuple of arrays in."""
     arrays = [ds.kernel_arrays() for ds in datastores]
     if not arrays:
-        return (NO_DATASTORE,)
+        return typed.List([NO_DATASTORE])
     shards = max(len(tokens) for tokens, _, _ in arrays)
-    return tuple((tuple(tokens) + (_read_only_empty(tokens[0].dtype),) * (shards - len(tokens)),
-                  tuple(sas) + (_read_only_empty(sas[0].dtype),) * (shards - len(sas)), int(sep))
-                 for tokens, sas, sep in arrays)
+    return typed.List((tuple(tokens) + (_read_only_empty(tokens[0].dtype),) * (shards - len(tokens)),
+                       tuple(sas) + (_read_only_empty(sas[0].dtype),) * (shards - len(sas)), int(sep))
+                      for tokens, sas, sep in arrays)
+
+
+@nb.njit(cache=True)
+def request_tries(datastores, P, plen, lengths, b, k, threshold):
+    """Request b's back-off lookup in every datastore (`backoff_rows`) and the count-tries of its rows
+    (`tries_of_rows`), in arrays of its own, so that requests are independent: the drafter looks each one up on the
+    thread that grows its tree (`drafter.fusion`). `datastores` is `kernel_datastores(...)`, `P` [B, q] the
+    right-aligned prefixes (request b's are its last plen[b] columns), `lengths[b]` its branch length (0: skip).
+    Returns the tries' (tok, cnt, first, sib) and, per datastore, the root (-1: nothing retrieved), the match length
+    and the rounds queried."""
+    K = len(datastores)
+    L = max(lengths[b], 1)
+    n_queries = plen[b] if lengths[b] > 0 else 0
+    rows = np.empty((K * n_queries * k, L), np.int32)  # upper bound: every round returns k rows
+    owner = np.empty(K * n_queries * k, np.int64)
+    match_len = np.zeros((K, 1), np.int32)
+    rounds = np.zeros((K, 1), np.int32)
+    o = np.int64(0)  # not a literal 0: that would compile `backoff_rows` for a type of its own (drafter.fusion)
+    for kk in range(K):  # group kk: datastore kk's rows, in order
+        tokens, sas, sep = datastores[kk]
+        o = backoff_rows(tokens, sas, sep, P[b:b + 1], plen[b:b + 1], lengths[b:b + 1], k, L, threshold, rows, owner,
+                         o, kk, match_len[kk], rounds[kk])
+    lens = np.full(K, np.int64(lengths[b]))
+    tok, cnt, first, sib, roots = tries_of_rows(rows[:o], owner[:o], lens)
+    return tok, cnt, first, sib, roots, match_len[:, 0].copy(), rounds[:, 0].copy()
 
 
 @nb.njit(cache=True)
 def lookup_tries(datastores, P, plen, lengths, k, threshold):
-    """Every datastore's back-off lookup (`backoff_rows`) for the whole batch and the count-tries of their rows
-    (`tries_of_rows`), in one compiled call: `datastores` is `kernel_datastores(...)`, `P` [B, q] the
-    right-aligned prefixes (request b's are its last plen[b] columns), `lengths[b]` its branch length (0: skip).
-    Returns the tries' (tok, cnt, first, sib) and, per [request, datastore], the root (-1: nothing retrieved), the
-    match length and the rounds queried."""
+    """Every request's `request_tries`, laid end to end in one set of arrays (request after request): the tries'
+    (tok, cnt, first, sib) and, per [request, datastore], the root (-1: nothing retrieved), the match length and
+    the rounds queried."""
     B = P.shape[0]
     K = len(datastores)
-    L = max(lengths.max(), 1) if B else 1
-    n_queries = 0
+    parts = [request_tries(datastores, P, plen, lengths, b, k, threshold) for b in range(B)]
+    total = 0
+    for part in parts:
+        total += part[0].shape[0]
+    tok = np.empty(total, np.int32)
+    cnt = np.empty(total, np.int32)
+    first = np.empty(total, np.int32)
+    sib = np.empty(total, np.int32)
+    roots = np.full((B, K), -1, np.int64)
+    match_len = np.zeros((B, K), np.int32)
+    rounds = np.zeros((B, K), np.int32)
+    offset = 0
     for b in range(B):
-        if lengths[b] > 0:
-            n_queries += plen[b]
-    rows = np.empty((K * n_queries * k, L), np.int32)  # upper bound: every round returns k rows
-    owner = np.empty(K * n_queries * k, np.int64)
-    match_len = np.zeros((K, B), np.int32)
-    rounds = np.zeros((K, B), np.int32)
-    o = 0
-    for kk in range(K):  # group (datastore kk, request b) = kk * B + b: still in order
-        tokens, sas, sep = datastores[kk]
-        o = backoff_rows(tokens, sas, sep, P, plen, lengths, k, L, threshold, rows, owner, o, kk * B, match_len[kk],
-                         rounds[kk])
-    lens = np.empty(K * B, np.int64)
-    for g in range(K * B):
-        lens[g] = lengths[g % B]
-    tok, cnt, first, sib, roots = tries_of_rows(rows[:o], owner[:o], lens)
-    return tok, cnt, first, sib, roots.reshape(K, B).T.copy(), match_len.T.copy(), rounds.T.copy()
+        t, c, f, s, r, m, q = parts[b]
+        for i in range(t.shape[0]):  # links move with their request's block; -1 stays -1
+            tok[offset + i] = t[i]
+            cnt[offset + i] = c[i]
+            first[offset + i] = f[i] + offset if f[i] >= 0 else -1
+            sib[offset + i] = s[i] + offset if s[i] >= 0 else -1
+        for kk in range(K):
+            if r[kk] >= 0:
+                roots[b, kk] = r[kk] + offset
+            match_len[b, kk] = m[kk]
+            rounds[b, kk] = q[kk]
+        offset += t.shape[0]
+    return tok, cnt, first, sib, roots, match_len, rounds
 
 
 @dataclass(frozen=True, eq=False)

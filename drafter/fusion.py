@@ -32,7 +32,7 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-from drafter.datastore_source import lookup_tries, sssd_branch_length
+from drafter.datastore_source import request_tries, sssd_branch_length
 from drafter.input_index import trie_child
 
 # entry columns (float64 [cap, 9]; integer fields are exact in float64)
@@ -304,22 +304,28 @@ def fuse_one(
 
 
 def _fuse_rows(slots, n_seq, tables, history_slot, history_src, history_top, query_len, input_depth, input_scale,
-               delta_base, delta_step, dtok, dcnt, dfirst, dsib, ds_roots, ds_mlen, budgets, fanout, lookup, kx, ky, kn,
-               o_tok, o_par, o_prob, o_depth, o_src, o_raw, o_mlen, o_n):
-    """`fuse_one` for every row b of a batch: request slot `slots[b]` (its arrays: `tables[slots[b]]`, in
-    `_SlotTables.FIELDS` order), datastore roots `ds_roots[b]`, output row b of the 2-D `o_*`, node count in `o_n[b]`.
-    `n_seq[b]` = 0 disables the input source for that row; `history_slot` (-1: none) is the output history's slot,
-    drafted as source `history_src`. Compiled twice below: a `prange` version for large batches and a serial one."""
+               delta_base, delta_step, datastores, P, plen, lengths, samples, threshold, budgets, fanout, lookup, kx,
+               ky, kn, o_tok, o_par, o_prob, o_depth, o_src, o_raw, o_mlen, o_n):
+    """For every row b of a batch: its datastore lookups (`request_tries`: prefix P[b], branch length lengths[b], 0
+    skips them) and `fuse_one` over them, request slot `slots[b]` (its arrays: `tables[slots[b]]`, in
+    `_SlotTables.FIELDS` order), output row b of the 2-D `o_*`, node count in `o_n[b]`. `n_seq[b]` = 0 disables the
+    input source for that row; `history_slot` (-1: none) is the output history's slot, drafted as source
+    `history_src`. Compiled twice below: a `prange` version for large batches and a serial one. A request's lookups
+    run on the thread that grows its tree: in their own serial pass before the fusion, they were a batch-16 draft
+    call's larger part."""
     hsrc = history_src if history_slot >= 0 else -1
     for b in nb.prange(slots.shape[0]):
         buf, itok, icnt, ifirst, isib, hkeys, hvals, _ = tables[slots[b]]
         # without a history any slot will do: hsrc = -1 leaves it unread
         _, htok, hcnt, hfirst, hsib, hhkeys, hhvals, htop = tables[history_slot if history_slot >= 0 else slots[b]]
+        # b as int64: a prange index is unsigned, and a second type would compile the lookups a second time
+        dtok, dcnt, dfirst, dsib, ds_roots, ds_mlen, _ = request_tries(datastores, P, plen, lengths, np.int64(b),
+                                                                       samples, threshold)
         o_n[b] = fuse_one(
             buf, n_seq[b], itok, icnt, ifirst, isib, hkeys, hvals,
             htok, hcnt, hfirst, hsib, hhkeys, hhvals, htop, hsrc, history_top,
             query_len, input_depth, input_scale, delta_base, delta_step,
-            dtok, dcnt, dfirst, dsib, ds_roots[b], ds_mlen[b], budgets[b], fanout, lookup, kx, ky, kn,
+            dtok, dcnt, dfirst, dsib, ds_roots, ds_mlen, budgets[b], fanout, lookup, kx, ky, kn,
             o_tok[b], o_par[b], o_prob[b], o_depth[b], o_src[b], o_raw[b], o_mlen[b],
         )
 
@@ -334,9 +340,10 @@ def draft_batch(slots, budgets, tables, n_all, use_input, history_slot, history_
                 input_depth, input_scale, delta_base, delta_step, datastores, use_datastores, samples, threshold,
                 branch_len, fanout, lookup, kx, ky, kn):
     """A whole batch's draft trees in one compiled call: each request's last `query_len` tokens (its slot's
-    `tables[s][0][:n_all[s]]`) are looked up in every datastore (`lookup_tries`, unless `use_datastores` is off;
+    `tables[s][0][:n_all[s]]`) are looked up in every datastore (`request_tries`, unless `use_datastores` is off;
     branch length `branch_len`, or SSSD's schedule by budget where it is 0), and `fuse_one` grows its tree from those
-    tries, its own index (`use_input`) and the output history. One call, not one per stage with array glue between
+    tries, its own index (`use_input`) and the output history (`_fuse_rows`: both per request, in parallel from
+    `PARALLEL_MIN_BATCH` requests). One call, not one per stage with array glue between
     them: after a verify step has left the caches cold, each Python-level operation of the glue cost ~5-20 us (a
     batch-1 draft took ~500 us, ~150 us hot). Returns the [B, max budget] node arrays of `fuse_one` (row b's first
     `n[b]` entries) and `n`."""
@@ -357,7 +364,6 @@ def draft_batch(slots, budgets, tables, n_all, use_input, history_slot, history_
         if use_datastores and budgets[b] > 0:
             lengths[b] = branch_len if branch_len > 0 else sssd_branch_length(budgets[b])
         cap = max(cap, budgets[b])
-    dtok, dcnt, dfirst, dsib, ds_roots, ds_mlen, _ = lookup_tries(datastores, P, plen, lengths, samples, threshold)
     o_tok = np.empty((B, cap), np.int32)
     o_par = np.empty((B, cap), np.int32)
     o_prob = np.empty((B, cap), np.float32)
@@ -368,10 +374,12 @@ def draft_batch(slots, budgets, tables, n_all, use_input, history_slot, history_
     o_n = np.zeros(B, np.int64)
     if B >= PARALLEL_MIN_BATCH:
         fuse_batch_parallel(slots, n_seq, tables, history_slot, history_src, history_top, query_len, input_depth,
-                            input_scale, delta_base, delta_step, dtok, dcnt, dfirst, dsib, ds_roots, ds_mlen, budgets,
-                            fanout, lookup, kx, ky, kn, o_tok, o_par, o_prob, o_depth, o_src, o_raw, o_mlen, o_n)
+                            input_scale, delta_base, delta_step, datastores, P, plen, lengths, samples, threshold,
+                            budgets, fanout, lookup, kx, ky, kn, o_tok, o_par, o_prob, o_depth, o_src, o_raw, o_mlen,
+                            o_n)
     else:
         fuse_batch_serial(slots, n_seq, tables, history_slot, history_src, history_top, query_len, input_depth,
-                          input_scale, delta_base, delta_step, dtok, dcnt, dfirst, dsib, ds_roots, ds_mlen, budgets,
-                          fanout, lookup, kx, ky, kn, o_tok, o_par, o_prob, o_depth, o_src, o_raw, o_mlen, o_n)
+                          input_scale, delta_base, delta_step, datastores, P, plen, lengths, samples, threshold,
+                          budgets, fanout, lookup, kx, ky, kn, o_tok, o_par, o_prob, o_depth, o_src, o_raw, o_mlen,
+                          o_n)
     return o_tok, o_par, o_prob, o_depth, o_src, o_raw, o_mlen, o_n
