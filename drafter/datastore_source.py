@@ -91,8 +91,9 @@ def backoff_rows(tokens_tup, sa_tup, sep, P, plen, lengths, k, L, threshold, row
     return o
 
 
-# Serial on purpose: the whole batch is tens of microseconds of work, less than one wake-up of numba's thread pool on
-# a loaded 2-core host (measured ~5 ms per launch while other processes ran).
+# Serial on purpose: one request's tries are microseconds of work, less than one wake-up of numba's thread pool on a
+# loaded 2-core host (measured ~5 ms per launch while other processes ran); the drafter's loop runs requests in
+# parallel instead (`drafter.fusion._fuse_rows`).
 @nb.njit(cache=True)
 def build_tries(rows, row_off, lens, node_off, tok, cnt, first, sib):
     """Group g's rows rows[row_off[g]:row_off[g+1]] (each cut at -1 and at lens[g]) into a count-trie rooted at
