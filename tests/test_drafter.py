@@ -236,6 +236,23 @@ def test_backoff_merge_matches_brute_force_count(ds, docs, threshold):
         assert cand.match_len[b, 0] == mlen
 
 
+def test_backoff_over_two_datastores_laid_end_to_end_matches_brute_force(ds, ds2, docs):
+    """`lookup_tries` lays each request's tries (`request_tries`) end to end: every request's root in every datastore
+    still leads to exactly its own counts (links moved with their block), the sharded one included."""
+    rng = np.random.default_rng(11)
+    prefixes = [rng.integers(0, 8, int(rng.integers(1, 7))) for _ in range(25)] + [np.array([], np.int64)]
+    lengths = rng.integers(0, 6, len(prefixes)).astype(np.int32)  # 0: the request is skipped
+    cand = DatastoreSource([ds, ds2], query_len=4, samples=10**6, threshold=50).lookup(prefixes, lengths)
+    for b, p in enumerate(prefixes):
+        for k, d in enumerate((docs, markov_docs(1, 30, 60))):
+            if len(p) and lengths[b]:
+                want, mlen = brute_backoff(d, list(p), q=4, L=int(lengths[b]), threshold=50)
+            else:
+                want, mlen = {}, 0
+            assert cand.counts(b, k) == want, (b, k, p)
+            assert cand.match_len[b, k] == mlen
+
+
 def test_sampled_backoff_matches_single_lookups(ds):
     rng = np.random.default_rng(7)
     prefixes = [rng.integers(0, 8, 4) for _ in range(30)] + [np.array([2]), np.array([10, 2])]
