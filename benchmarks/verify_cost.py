@@ -7,6 +7,14 @@ Grid: batch {1, 4, 16, 32} x tree nodes per request {0 (plain step), 1, 2, 4, 8,
 Each point: one warm-up call, then the median of up to 5 timed calls (3 past 300 ms, 1 past 2 s). Points are run
 cheapest first; points over the token bound or past the time budget are skipped and listed.
 
+Paired rounds (the headline ratios): one request at context 512, every tree size once per round, order rotating; before
+each round a compute probe times 16 rows through a 1024 x 576 linear layer whose weights stay in cache. On this
+project's shared 2-core hosts that arithmetic speed flips between two levels about 3x apart every few seconds while
+the memory stream holds still (a one-off probe of both, 2-core Zen 4 EPYC: in-cache 16-row calls p10 79, p50 124,
+p90 311 us; a 57 MB one-row layer 1.4-2.1 ms), and a verify step's extra rows are arithmetic: one whole run could
+land in either phase. Rounds whose probe took over 1.5x the fastest count as slow-compute rounds; the summary gives
+the verify-8 ratio over all rounds and over each kind.
+
 Decoding: the same 5 random 64-token prompts, greedy, N new tokens, batch 1, EOS ignored, tok/s = N / median time, in bf16 and fp32: our
 `orchestrator.spec_loop.generate` (plain) vs `LlamaForCausalLM.generate`. Writes benchmarks/results/verify_cost.{json,md}.
 """
@@ -25,7 +33,7 @@ import torch
 from drafter.tree import DraftTree
 from orchestrator.spec_loop import generate
 from trt_engines.base import VerifyItem
-from trt_engines.cpu_kernels import cpu_description
+from trt_engines.cpu_kernels import Bf16Linear, cpu_description
 from trt_engines.prepare import resolve_model_dir
 from trt_engines.torch_engine import TorchEngine
 
@@ -87,8 +95,22 @@ def grid(engine: TorchEngine, *, budget_s: float, contexts, batches, nodes) -> t
     return rows, skipped
 
 
-def paired_steps(engine: TorchEngine, *, ctx: int, nodes: tuple[int, ...], rounds: int) -> dict[int, list[float]]:
-    """Step times (total_ms) of one request at `ctx` for each tree size, measured in interleaved rounds.
+SLOW_COMPUTE = 1.5  # a round whose compute probe took over this times the fastest probe is a slow-compute round
+
+
+def compute_probe_us(layer: Bf16Linear, x: torch.Tensor, calls: int = 10) -> float:
+    """Microseconds per call of a compute-bound kernel: `x`'s rows through `layer`, whose weights stay in cache (the
+    host's arithmetic speed at the moment; module docstring)."""
+    started = time.perf_counter()
+    for _ in range(calls):
+        layer(x)
+    return (time.perf_counter() - started) / calls * 1e6
+
+
+def paired_steps(engine: TorchEngine, *, ctx: int, nodes: tuple[int, ...],
+                 rounds: int) -> tuple[dict[int, list[float]], list[float]]:
+    """Step times (total_ms) of one request at `ctx` for each tree size, measured in interleaved rounds, and each
+    round's compute probe (`compute_probe_us`, timed before the round).
 
     Each round times every size once (order rotating), so a burst of background load lands on all sizes of a round
     alike: the per-round ratios are what the headline reports, not ratios of medians taken minutes apart.
@@ -98,14 +120,31 @@ def paired_steps(engine: TorchEngine, *, ctx: int, nodes: tuple[int, ...], round
         engine.release(rid)
     engine.add_synthetic_request("paired", ctx)
     items = {n: [VerifyItem("paired", random_tree(n, rng))] for n in nodes}
+    generator = torch.Generator().manual_seed(0)
+    probe_layer = Bf16Linear(torch.randn(1024, 576, generator=generator).bfloat16())
+    probe_rows = torch.randn(16, 576, generator=generator).bfloat16()
+    compute_probe_us(probe_layer, probe_rows)  # warm-up (compiles nothing new: the engine's kernels)
     for n in nodes:
         engine.verify(items[n])  # warm-up
     times: dict[int, list[float]] = {n: [] for n in nodes}
+    probes = []
     for r in range(rounds):
+        probes.append(compute_probe_us(probe_layer, probe_rows))
         for n in nodes[r % len(nodes):] + nodes[: r % len(nodes)]:
             times[n].append(engine.verify(items[n]).timings["total_ms"])
     engine.release("paired")
-    return times
+    return times, probes
+
+
+def ratio_by_compute_phase(times: dict[int, list[float]], probes: list[float], n: int) -> dict:
+    """The per-round ratio of n nodes to a plain step: its median over the rounds of each compute phase (None where a
+    phase has no round) and how many rounds were slow (`SLOW_COMPUTE`)."""
+    slow = [p > SLOW_COMPUTE * min(probes) for p in probes]
+    ratios = [a / b for a, b in zip(times[n], times[0])]
+    fast_ratios = [r for r, s in zip(ratios, slow) if not s]
+    slow_ratios = [r for r, s in zip(ratios, slow) if s]
+    return {"fast": statistics.median(fast_ratios) if fast_ratios else None,
+            "slow": statistics.median(slow_ratios) if slow_ratios else None, "slow_rounds": sum(slow)}
 
 
 def decode_throughput(dtype: torch.dtype, prompts: list[list[int]], max_new: int) -> dict:
@@ -157,7 +196,7 @@ def main() -> None:
     kw = dict(contexts=(512,), batches=(1,), nodes=(0, 1, 8, 32)) if args.quick else dict(
         contexts=CONTEXTS, batches=BATCHES, nodes=NODES
     )
-    paired = paired_steps(engine, ctx=512, nodes=(0, 1, 8, 32), rounds=9 if args.quick else 41)
+    paired, probes = paired_steps(engine, ctx=512, nodes=(0, 1, 8, 32), rounds=9 if args.quick else 41)
     rows, skipped = grid(engine, budget_s=args.budget_s, **kw)
     # fp32 for the headline point only, to report whether bf16 pays on this CPU
     fp32 = TorchEngine("default", dtype=torch.float32, num_blocks=64)
@@ -168,6 +207,7 @@ def main() -> None:
 
     med = {n: statistics.median(ts) for n, ts in paired.items()}
     ratio8 = statistics.median(a / b for a, b in zip(paired[8], paired[0]))
+    phases8 = ratio_by_compute_phase(paired, probes, 8)
     summary = {
         "ar_tokens_per_s": decode["bf16"]["ours_tokens_per_s"],
         "hf_generate_tokens_per_s": decode["bf16"]["hf_tokens_per_s"],
@@ -179,6 +219,10 @@ def main() -> None:
         "step_ms_b1_n32_ctx512": med[32],
         "verify8_over_plain_b1_ctx512": ratio8,
         "paired_rounds": len(paired[0]),
+        "compute_probe_us_median": statistics.median(probes),
+        "slow_compute_rounds": phases8["slow_rounds"],
+        "verify8_over_plain_fast_compute_rounds": phases8["fast"],
+        "verify8_over_plain_slow_compute_rounds": phases8["slow"],
         "fp32_plain_step_ms_b1_ctx512": at(fp32_rows, 1, 0, 512),
         "fp32_step_ms_b1_n8_ctx512": at(fp32_rows, 1, 8, 512),
     }
@@ -193,7 +237,8 @@ def main() -> None:
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "verify_cost.json").write_text(json.dumps(
-        {"summary": summary, "meta": meta, "decode": decode, "paired_b1_ctx512": paired, "grid": rows, "fp32_grid": fp32_rows, "skipped": skipped},
+        {"summary": summary, "meta": meta, "decode": decode, "paired_b1_ctx512": paired,
+         "paired_compute_probe_us": probes, "grid": rows, "fp32_grid": fp32_rows, "skipped": skipped},
         indent=2,
     ))
     (RESULTS / "verify_cost.md").write_text(_markdown(summary, meta, rows, skipped))
@@ -213,7 +258,11 @@ def _markdown(summary: dict, meta: dict, rows: list[dict], skipped: list[str]) -
         "0 = plain decoding step). Grid: medians of up to 5 calls after a warm-up (decoding: median over 5 prompts); the "
         "machine is shared with other jobs, so expect noise of 10-30% between grid points. The summary's batch-1 "
         f"ctx-512 step times come from {summary['paired_rounds']} interleaved rounds (every tree size once per round, "
-        "order rotating); the verify-8 ratio is the median of the per-round ratios.", "",
+        "order rotating); the verify-8 ratio is the median of the per-round ratios. Before each round a compute probe "
+        "timed 16 rows through a 1024 x 576 layer in cache; rounds whose probe took over "
+        f"{SLOW_COMPUTE:g}x the fastest are slow-compute rounds (this host's arithmetic speed moves by about 3x "
+        "between seconds while its memory speed holds: the module docstring), and the ratio is also given over each "
+        "kind.", "",
         "## Summary", "", "| key | value |", "|---|---|",
         *[f"| {k} | {fmt(v)} |" for k, v in summary.items()], "",
         "## Goals", "",
