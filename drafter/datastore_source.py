@@ -2,7 +2,7 @@
 
 Vocabulary
     prefix        the last q (= 4) tokens of a request's sequence.
-    round         one lookup of a (shorter) prefix; all rounds of all requests run in one compiled call
+    round         one lookup of a (shorter) prefix; a request's rounds in one datastore run in one compiled call
                   (`backoff_rows`) that reuses the datastore's search kernels.
     back-off      (SSSD) after a round, a request whose merged trie holds fewer than `threshold` (50) continuations
                   and whose prefix is still longer than 1 token drops the prefix's FIRST token and is queried again;
@@ -48,47 +48,43 @@ def sssd_branch_length(budget: int) -> int:
 
 
 @nb.njit(cache=True)
-def backoff_rows(tokens_tup, sa_tup, sep, P, plen, lengths, k, L, threshold, rows, owner, o, group, match_len, rounds):
-    """SSSD's back-off lookup for a whole batch against one datastore, its rows written from row `o` of `rows` on
-    (request b's own `owner`: group + b); returns the next free row.
+def backoff_rows(tokens_tup, sa_tup, sep, prefix, k, L, threshold, rows, owner, o, group):
+    """SSSD's back-off lookup of one request against one datastore, its rows written from row `o` of `rows` on (each
+    row's `owner`: `group`); returns (the next free row, the match length, the rounds queried).
 
-    Request b (skipped when lengths[b] == 0) queries its last plen[b] tokens (P[b, q - plen[b]:]), then ever shorter
-    suffixes: round r uses the last plen[b] - r tokens and runs only while rounds 0..r-1 gathered fewer than
-    `threshold` continuations. Each round samples at most k continuations of length L (datastore.kernels), so
-    `rows` [>= o + k * sum(plen), L] holds them all. Rows come request-major, rounds in order; `match_len[b]`: the
-    longest suffix that returned anything; `rounds[b]`: the rounds queried."""
-    B, q = P.shape
+    It queries `prefix` (the request's last plen tokens), then ever shorter suffixes: round r uses its last plen - r
+    tokens and runs only while rounds 0..r-1 gathered fewer than `threshold` continuations. Each round samples at most
+    k continuations of length L (datastore.kernels), so `rows` [>= o + k * plen, L] holds them all, rounds in order.
+    The match length is the longest suffix that returned anything (0: none)."""
+    plen = prefix.shape[0]
     n_shards = len(tokens_tup)
     lo = np.empty((1, n_shards), np.int64)
     hi = np.empty_like(lo)
     take = np.empty_like(lo)
-    query = np.empty(q, np.int64)
+    query = np.empty(max(plen, 1), np.int64)
     q_off = np.zeros(2, np.int64)
-    for b in range(B):
-        if lengths[b] <= 0:
-            continue
-        gathered = 0
-        for r in range(plen[b]):
-            if r > 0 and gathered >= threshold:
-                break
-            c = plen[b] - r
-            for j in range(c):
-                query[j] = P[b, q - c + j]
-            q_off[1] = c
-            total = ranges_one(tokens_tup, sa_tup, query, q_off, 0, lo, hi)
-            n = split_k(lo, hi, 0, k, total, take)
-            gather_one(tokens_tup, sa_tup, sep, q_off, 0, lo, hi, take, L, rows, o)
-            got = 0
-            for row in range(o, o + n):
-                owner[row] = group + b
-                if rows[row, 0] >= 0:
-                    got += 1
-            if got > 0 and match_len[b] == 0:
-                match_len[b] = c
-            gathered += got
-            rounds[b] += 1
-            o += n
-    return o
+    match_len, rounds, gathered = 0, 0, 0
+    for r in range(plen):
+        if r > 0 and gathered >= threshold:
+            break
+        c = plen - r
+        for j in range(c):
+            query[j] = prefix[r + j]
+        q_off[1] = c
+        total = ranges_one(tokens_tup, sa_tup, query, q_off, 0, lo, hi)
+        n = split_k(lo, hi, 0, k, total, take)
+        gather_one(tokens_tup, sa_tup, sep, q_off, 0, lo, hi, take, L, rows, o)
+        got = 0
+        for row in range(o, o + n):
+            owner[row] = group
+            if rows[row, 0] >= 0:
+                got += 1
+        if got > 0 and match_len == 0:
+            match_len = c
+        gathered += got
+        rounds += 1
+        o += n
+    return o, match_len, rounds
 
 
 # Serial on purpose: one request's tries are microseconds of work, less than one wake-up of numba's thread pool on a
@@ -193,19 +189,20 @@ def request_tries(datastores, P, plen, lengths, b, k, threshold):
     and the rounds queried."""
     K = len(datastores)
     L = max(lengths[b], 1)
-    n_queries = plen[b] if lengths[b] > 0 else 0
+    n_queries = plen[b] if lengths[b] > 0 else 0  # branch length 0: nothing is looked up
+    prefix = P[b, P.shape[1] - n_queries:]
     rows = np.empty((K * n_queries * k, L), np.int32)  # upper bound: every round returns k rows
     owner = np.empty(K * n_queries * k, np.int64)
-    match_len = np.zeros((K, 1), np.int32)
-    rounds = np.zeros((K, 1), np.int32)
+    match_len = np.zeros(K, np.int32)
+    rounds = np.zeros(K, np.int32)
     o = np.int64(0)  # not a literal 0: that would compile `backoff_rows` for a type of its own (drafter.fusion)
     for kk in range(K):  # group kk: datastore kk's rows, in order
         tokens, sas, sep = datastores[kk]
-        o = backoff_rows(tokens, sas, sep, P[b:b + 1], plen[b:b + 1], lengths[b:b + 1], k, L, threshold, rows, owner,
-                         o, kk, match_len[kk], rounds[kk])
+        o, match_len[kk], rounds[kk] = backoff_rows(tokens, sas, sep, prefix, k, L, threshold, rows, owner, o,
+                                                    np.int64(kk))
     lens = np.full(K, np.int64(lengths[b]))
     tok, cnt, first, sib, roots = tries_of_rows(rows[:o], owner[:o], lens)
-    return tok, cnt, first, sib, roots, match_len[:, 0].copy(), rounds[:, 0].copy()
+    return tok, cnt, first, sib, roots, match_len, rounds
 
 
 @nb.njit(cache=True)
