@@ -257,9 +257,13 @@ class DatastoreCandidates:
             return {}
         out = {(): int(self.cnt[r])}
         stack = [(int(self.first[r]), ())]
+        visited = 0
         while stack:
             c, path = stack.pop()
             while c >= 0:
+                visited += 1
+                if visited > self.tok.shape[0]:  # more nodes than there are: the links go round
+                    raise ValueError(f"the trie of request {b}, datastore {k} links back into itself")
                 p = path + (int(self.tok[c]),)
                 out[p] = int(self.cnt[c])
                 stack.append((int(self.first[c]), p))
