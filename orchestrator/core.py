@@ -44,7 +44,7 @@ import numpy as np
 
 from drafter.tree import DraftTree
 from orchestrator.acceptance import accept
-from orchestrator.budget import BudgetController
+from orchestrator.budget import BudgetController, prune_tree
 from orchestrator.request import (
     FinishReason,
     GenerationRequest,
@@ -245,6 +245,7 @@ class Orchestrator:
         trees, cap, fallbacks, drafted_now = self._trees(states)
         draft_s = time.perf_counter() - draft_started
         context = np.array([s.context_len for s in states], dtype=np.float64)
+        trees = self._usable_trees(states, trees, context)
         # This step's prefills (admissions, a chunk of a long prompt) already delayed every running request's next
         # token: the verify may take only what is left of each TPOT objective (none: a plain step).
         spent_s = sum(p[1] for p in self._prefills)
@@ -354,6 +355,24 @@ class Orchestrator:
             drafted = {s.request_id: (t, cap) for s, t in zip(missing, trees)}
         chosen = [drafted.get(s.request_id) or self._drafted_ahead.pop(s.request_id) for s in states]
         return [t for t, _ in chosen], max(c for _, c in chosen), fallbacks, len(missing)
+
+    def _usable_trees(self, states: list[_Running], trees: list[DraftTree], context: np.ndarray) -> list[DraftTree]:
+        """Each tree cut to what its request can use. The engine verifies at most context + root + nodes =
+        `max_context` positions (it refuses a larger step, and before this cut a request that filled the context
+        stopped the serving loop), and a step yields at most the tokens the request has left, the bonus token last,
+        so nodes deeper than that less one would be verified for nothing."""
+        sizes = np.array([len(t) for t in trees])
+        if not sizes.any():
+            return trees
+        room = self.engine.max_context - 1 - context
+        left = np.array([s.request.max_tokens - len(s.output) - 1 for s in states])
+        trees = list(trees)
+        for i in np.flatnonzero(sizes > np.minimum(room, left)):  # requests within a tree of their end only
+            tree = trees[i]
+            if tree.depth.max() > left[i]:
+                tree = tree.subtree(np.flatnonzero(tree.depth <= left[i]))  # shallower nodes: closed under ancestors
+            trees[i] = prune_tree(tree, int(room[i]))
+        return trees
 
     def _draft_ahead(self, states: list[_Running]) -> int:
         """Draft the next micro-batch while this one is verified; returns the fallbacks."""

@@ -189,6 +189,22 @@ def test_stop_token_stop_string_and_max_tokens(engine, datastore, tokenizer, pro
     assert seven["tokens"] == ref[:7] and seven["finish"] == FinishReason.LENGTH
 
 
+@pytest.mark.parametrize("policy", ["fixed:16", "goodput"])
+def test_a_request_that_fills_the_context_gets_trees_that_fit_it(engine, datastore, tokenizer, policy):
+    # A repetitive prompt drafts long chains from its own index to the very end: the engine verifies at most
+    # context + root + nodes = max_context positions, and refused larger steps, which stopped the serving loop.
+    ids = tuple(tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 100).ids[: engine.max_context - 24])
+    plain, _ = generate(engine, [list(ids)], max_new_tokens=24, id_prefix="full")
+    orchestrator = make_orchestrator(engine, datastore, policy)
+    results = run_all(orchestrator, [GenerationRequest(prompt_ids=ids, max_tokens=24, ignore_eos=True),
+                                     GenerationRequest(prompt_ids=ids[:50], max_tokens=2, ignore_eos=True)])
+    full, two = results.values()
+    assert full["tokens"] == plain[0] and full["finish"] == FinishReason.LENGTH
+    assert full["stats"].accepted > 0  # it speculated up to the end of the context
+    # A request with one token left gets it from the step's bonus token: it is sent no nodes.
+    assert len(two["tokens"]) == 2 and two["stats"].drafted == 0
+
+
 def test_eos_ends_a_request(engine, datastore, tokenizer):
     chat = "<|im_start|>user\nSay just the word yes.<|im_end|>\n<|im_start|>assistant\n"
     ids = tuple(tokenizer.encode(chat).ids)
