@@ -124,6 +124,18 @@ BAD = [
     ("unknown field", completion("hi", frobnicate=1), 400, "unknown field"),
     ("bad cache_salt", completion("hi", cache_salt=5), 400, "cache_salt"),
     ("chat without messages", {"model": "retrospec", "messages": []}, 400, "messages"),
+    ("chat image part", {"model": "retrospec", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]}, 400, "text part"),
+    ("chat tool role", {"model": "retrospec", "messages": [{"role": "tool", "content": "42"}]}, 400, "role"),
+    # fields OpenAI defines that this server cannot honour: refused, never silently ignored
+    ("logprobs asked for", completion("hi", logprobs=2), 400, "logprobs"),
+    ("logprobs of the chosen tokens", completion("hi", logprobs=0), 400, "logprobs"),
+    ("echo", completion("hi", echo=True), 400, "echo"),
+    ("presence penalty", completion("hi", presence_penalty=0.5), 400, "presence_penalty"),
+    ("frequency penalty", completion("hi", frequency_penalty=-1), 400, "frequency_penalty"),
+    ("stream not a boolean", completion("hi", stream="yes"), 400, "stream"),
+    ("ignore_eos not a boolean", completion("hi", ignore_eos="no"), 400, "ignore_eos"),
+    ("n of two", completion("hi", n=2), 400, "n=1"),
 ]
 
 
@@ -141,6 +153,36 @@ def test_bad_input_gets_a_clear_4xx_and_the_server_keeps_serving(server, case):
         assert good.status_code == 200 and good.json()["choices"][0]["token_ids"] == server["reference"][1]
     stack = server["stack"]
     assert wait_until(lambda: stack.engine.free_blocks() == stack.engine.total_blocks())
+
+
+def test_fields_sent_at_their_defaults_are_served(server):
+    # Clients often send every field, unset ones as null or their default; null max_tokens is OpenAI's 16 here.
+    assert MAX_TOKENS == 16
+    defaults = completion(server["prompts"][0], max_tokens=None, logprobs=None, echo=False, presence_penalty=0,
+                          frequency_penalty=0.0, n=1, stream=False, ignore_eos=False, seed=None, top_p=None)
+    with httpx.Client(base_url=server["url"], timeout=60) as client:
+        response = client.post("/v1/completions", json=defaults)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["token_ids"] == server["reference"][0]
+
+
+def test_chat_reads_text_parts_and_replies_to_eos_without_max_tokens(server):
+    def chat(messages, **extra) -> dict:
+        with httpx.Client(base_url=server["url"], timeout=120) as client:
+            response = client.post("/v1/chat/completions", json={"model": "retrospec", "messages": messages,
+                                                                  "temperature": 0, **extra})
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    parts = chat([{"role": "developer", "content": "Be brief."},
+                  {"role": "user", "content": [{"type": "text", "text": "Say"}, {"type": "text", "text": "hi."}]}],
+                 max_tokens=8)
+    plain = chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say\nhi."}], max_tokens=8)
+    assert parts["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
+    assert parts["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"]
+    # No max_tokens: the reply runs to EOS (25 tokens from this model in fp32), not to a completion's 16-token default.
+    reply = chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi."}])
+    assert reply["choices"][0]["finish_reason"] == "stop" and reply["usage"]["completion_tokens"] > 16
 
 
 def test_client_disconnect_mid_stream_cancels_and_frees_kv(server):

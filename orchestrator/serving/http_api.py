@@ -6,7 +6,13 @@ nothing else. Extensions beyond OpenAI's fields: `top_k`, `ignore_eos`, `tpot_ms
 token objective) and `cache_salt` (vLLM's: requests share cached prompt prefixes only with the same salt) in
 requests; `token_ids` per choice and a `retrospec` object with speculation statistics (steps, accepted draft tokens,
 tokens per step) in responses, and `usage.prompt_tokens_details.cached_tokens` as OpenAI reports it. Like OpenAI,
-`temperature` defaults to 1.0 (sampling): send `"temperature": 0` for greedy output.
+`temperature` defaults to 1.0 (sampling): send `"temperature": 0` for greedy output, and without `max_tokens` (or
+with null) a completion stops after 16 tokens and a chat reply runs to EOS, a stop string or the end of the context.
+
+Fields that OpenAI defines but this server cannot honour are refused unless they carry their default (null, false or
+0): `logprobs` (the engines return tokens, not log probabilities), `echo`, and `presence_penalty` /
+`frequency_penalty` (a penalty changes the distribution that verification must reproduce). A client that sends the
+defaults explicitly is served; one that asks for more gets a 400 naming the field, never output silently without it.
 
 Example:
 
@@ -86,9 +92,9 @@ def create_app(stack: ServingStack) -> FastAPI:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
-            gen = _build(stack, body, text=prompt)
+            gen = _build(stack, body, chat=False, text=prompt)
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            gen = _build(stack, body, prompt_ids=prompt)
+            gen = _build(stack, body, chat=False, prompt_ids=prompt)
         else:
             raise ApiError(400, "prompt must be a string or a list of token ids (one prompt per request)", param="prompt")
         return await _respond(stack, body, gen, chat=False)
@@ -101,7 +107,7 @@ def create_app(stack: ServingStack) -> FastAPI:
             text = stack.render_chat(body.get("messages"))
         except ValueError as exc:
             raise ApiError(400, str(exc), param="messages") from None
-        return await _respond(stack, body, _build(stack, body, text=text), chat=True)
+        return await _respond(stack, body, _build(stack, body, chat=True, text=text), chat=True)
 
     return app
 
@@ -134,9 +140,45 @@ def _check_model(body: dict, name: str) -> None:
                        param="model", code="model_not_found")
 
 
-def _build(stack: ServingStack, body: dict, **prompt) -> GenerationRequest:
-    if body.get("n", 1) != 1:
+# OpenAI fields this server accepts only at their default: (field, why it cannot be honoured, what to send instead)
+_DEFAULT_ONLY = (
+    ("logprobs", "log probabilities are not returned by this server", "leave it out, or send null or false"),
+    ("echo", "the prompt is not echoed", "leave it out, or send false; the prompt's text is the caller's"),
+    ("presence_penalty", "penalties are not supported: they change the distribution that lossless verification "
+     "reproduces", "leave it out, or send 0"),
+    ("frequency_penalty", "penalties are not supported: they change the distribution that lossless verification "
+     "reproduces", "leave it out, or send 0"),
+)
+_FLAGS = ("stream", "ignore_eos", "echo")  # JSON booleans: a string such as "no" must not read as true
+
+
+def _check_fields(body: dict) -> None:
+    """Refuse, naming the field, what this server would otherwise have to ignore or guess."""
+    for name in _FLAGS:
+        value = body.get(name)
+        if value is not None and not isinstance(value, bool):
+            raise ApiError(400, f"{name} must be true or false; got {value!r}", param=name)
+    for name, why, fix in _DEFAULT_ONLY:
+        value = body.get(name)
+        # logprobs=0 is no default: OpenAI's legacy completions then return the chosen tokens' log probabilities
+        zero = name != "logprobs" and type(value) in (int, float) and value == 0
+        if not (value is None or value is False or zero):
+            raise ApiError(400, f"{name}={value!r} cannot be honoured: {why}; {fix}", param=name)
+    if body.get("n", 1) not in (1, None) or isinstance(body.get("n"), bool):
         raise ApiError(400, "only n=1 is supported", param="n")
+
+
+def _max_tokens(body: dict, *, chat: bool) -> int | None:
+    """`max_completion_tokens`, else `max_tokens` (null counts as absent); neither: 16 for a completion (OpenAI's
+    default), None for a chat reply (as many as the context holds)."""
+    for name in ("max_completion_tokens", "max_tokens"):
+        if body.get(name) is not None:
+            return body[name]
+    return None if chat else 16
+
+
+def _build(stack: ServingStack, body: dict, *, chat: bool, **prompt) -> GenerationRequest:
+    _check_fields(body)
     tpot_ms = body.get("tpot_ms")
     if tpot_ms is not None and (isinstance(tpot_ms, bool) or not isinstance(tpot_ms, (int, float))):
         raise ApiError(400, f"tpot_ms must be a number of milliseconds; got {tpot_ms!r}", param="tpot_ms")
@@ -144,14 +186,14 @@ def _build(stack: ServingStack, body: dict, **prompt) -> GenerationRequest:
     try:
         return stack.make_request(
             **prompt,
-            max_tokens=body.get("max_completion_tokens", body.get("max_tokens", 16)),
+            max_tokens=_max_tokens(body, chat=chat),
             temperature=body.get("temperature", 1.0) if body.get("temperature") is not None else 1.0,
             top_p=body.get("top_p", 1.0) if body.get("top_p") is not None else 1.0,
             top_k=body.get("top_k", 0) or 0,
             seed=body.get("seed"),
             stop=stop,
             tpot_s=None if tpot_ms is None else tpot_ms / 1e3,
-            ignore_eos=bool(body.get("ignore_eos", False)),
+            ignore_eos=bool(body.get("ignore_eos")),
             cache_salt=body.get("cache_salt"),
         )
     except ValueError as exc:

@@ -222,26 +222,20 @@ class ServingStack:
         """The model's chat template applied to OpenAI-style messages, with the assistant turn opened."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a non-empty list of {role, content} objects")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise ValueError(f"messages[{i}] must be an object with string fields role and content")
-            if m["role"] not in ("system", "user", "assistant"):
-                raise ValueError(f"messages[{i}].role must be system, user or assistant; got {m['role']!r}")
+        turns = [{"role": _chat_role(m, i), "content": _chat_text(m, i)} for i, m in enumerate(messages)]
         with self._chat_lock:
             if self._chat_tokenizer is None:
                 from transformers import AutoTokenizer
 
                 self._chat_tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
-            return self._chat_tokenizer.apply_chat_template(
-                [{"role": m["role"], "content": m["content"]} for m in messages],
-                add_generation_prompt=True, tokenize=False)
+            return self._chat_tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
 
     def make_request(
         self,
         *,
         text: str | None = None,
         prompt_ids: Sequence[int] | np.ndarray | None = None,
-        max_tokens: int = 256,
+        max_tokens: int | None = 256,
         temperature: float = 0.0,
         top_p: float = 1.0,
         top_k: int = 0,
@@ -251,7 +245,8 @@ class ServingStack:
         ignore_eos: bool = False,
         cache_salt: str | None = None,
     ) -> GenerationRequest:
-        """Validate wire-level fields and build a request; ValueError names the bad field and the fix."""
+        """Validate wire-level fields and build a request; ValueError names the bad field and the fix.
+        `max_tokens=None`: as many as the model's context holds after the prompt."""
         if (text is None) == (prompt_ids is None):
             raise ValueError("send exactly one of a text prompt or prompt token ids")
         if text is not None:
@@ -268,12 +263,15 @@ class ServingStack:
         vocab = self.engine.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise ValueError(f"prompt token ids must lie in [0, {vocab}); got {min(ids)}..{max(ids)}")
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < 1:
+        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer))
+                                       or max_tokens < 1):
             raise ValueError(f"max_tokens must be an integer >= 1; got {max_tokens!r}")
         limit = self.engine.max_context - len(ids)
         if limit < 1:
             raise ValueError(f"the prompt has {len(ids)} tokens; the model context is {self.engine.max_context}: "
                              "shorten the prompt")
+        if max_tokens is None:
+            max_tokens = limit
         if max_tokens > limit:
             raise ValueError(f"max_tokens={max_tokens} is too large: prompt ({len(ids)} tokens) + max_tokens must fit "
                              f"the context of {self.engine.max_context}; use max_tokens <= {limit}")
@@ -340,6 +338,34 @@ def make_drafter(config: ServingConfig, datastores: list | None = None):
 
     stores = open_datastores(config) if datastores is None else datastores
     return Drafter(DrafterConfig(sources="fused" if stores else "input"), datastores=stores)
+
+
+def _chat_role(message, i: int) -> str:
+    """A message's role for the chat template: OpenAI's `developer` (its newer name for instructions) is `system`."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise ValueError(f"messages[{i}] must be an object with a string role and a content")
+    role = message["role"]
+    if role not in ("system", "developer", "user", "assistant"):
+        raise ValueError(f"messages[{i}].role must be system, developer, user or assistant; got {role!r}")
+    return "system" if role == "developer" else role
+
+
+def _chat_text(message: dict, i: int) -> str:
+    """A message's text: a string, or OpenAI's list of content parts, of which only text parts can be read here
+    (joined by newlines, as vLLM joins them)."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content:
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ValueError(f"messages[{i}].content[{j}] must be a text part {{\"type\": \"text\", \"text\": "
+                                 f"...}}; got {kind!r} (this model reads text only)")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise ValueError(f"messages[{i}].content must be a string or a non-empty list of text parts; got {content!r}")
 
 
 def _number(value, name: str) -> float:
