@@ -13,7 +13,8 @@ project's shared 2-core hosts that arithmetic speed flips between two levels abo
 the memory stream holds still (a one-off probe of both, 2-core Zen 4 EPYC: in-cache 16-row calls p10 79, p50 124,
 p90 311 us; a 57 MB one-row layer 1.4-2.1 ms), and a verify step's extra rows are arithmetic: one whole run could
 land in either phase. Rounds whose probe took over 1.5x the fastest count as slow-compute rounds; the summary gives
-the verify-8 ratio over all rounds and over each kind.
+the verify-8 ratio over all rounds and over each kind. The probe does not account for all of the spread between
+runs: two runs without a slow-compute round measured the verify-8 ratio at 1.51 and 1.86 (README).
 
 Decoding: the same 5 random 64-token prompts, greedy, N new tokens, batch 1, EOS ignored, tok/s = N / median time, in bf16 and fp32: our
 `orchestrator.spec_loop.generate` (plain) vs `LlamaForCausalLM.generate`. Writes benchmarks/results/verify_cost.{json,md}.
