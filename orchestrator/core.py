@@ -126,6 +126,13 @@ class Orchestrator:
         self.drafter = drafter
         self.budget = budget
         self.tokenizer = tokenizer  # needed only for text output and stop strings
+        # A drafted token the target cannot have makes the engine refuse the whole step: refuse the pairing up front.
+        drafted_vocab = getattr(drafter, "vocab_size", None)
+        if drafted_vocab is not None and drafted_vocab > engine.vocab_size:
+            raise ValueError(
+                f"the drafter's datastores hold token ids up to {drafted_vocab - 1}, beyond the target model's "
+                f"vocabulary ({engine.vocab_size} ids): they were built with another tokenizer; rebuild them with the "
+                "model's (`build-datastore --tokenizer <model folder or tokenizer.json>`)")
         if isinstance(max_running, bool) or not isinstance(max_running, int) or max_running < 1:
             raise ValueError(f"max_running must be an int >= 1 (requests running at once); got {max_running!r}")
         self.max_running = max_running
