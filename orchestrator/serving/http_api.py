@@ -140,14 +140,15 @@ def _check_model(body: dict, name: str) -> None:
                        param="model", code="model_not_found")
 
 
-# OpenAI fields this server accepts only at their default: (field, why it cannot be honoured, what to send instead)
+# OpenAI fields this server accepts only at their default (null or false, and 0 where `zero_is_default`):
+# (field, zero_is_default, why it cannot be honoured, what to send instead). logprobs=0 is no default: OpenAI's legacy
+# completions then return the chosen tokens' log probabilities.
+_PENALTY = "penalties are not supported: they change the distribution that lossless verification reproduces"
 _DEFAULT_ONLY = (
-    ("logprobs", "log probabilities are not returned by this server", "leave it out, or send null or false"),
-    ("echo", "the prompt is not echoed", "leave it out, or send false; the prompt's text is the caller's"),
-    ("presence_penalty", "penalties are not supported: they change the distribution that lossless verification "
-     "reproduces", "leave it out, or send 0"),
-    ("frequency_penalty", "penalties are not supported: they change the distribution that lossless verification "
-     "reproduces", "leave it out, or send 0"),
+    ("logprobs", False, "log probabilities are not returned by this server", "leave it out, or send null or false"),
+    ("echo", False, "the prompt is not echoed", "leave it out, or send false; the prompt's text is the caller's"),
+    ("presence_penalty", True, _PENALTY, "leave it out, or send 0"),
+    ("frequency_penalty", True, _PENALTY, "leave it out, or send 0"),
 )
 _FLAGS = ("stream", "ignore_eos", "echo")  # JSON booleans: a string such as "no" must not read as true
 
@@ -158,10 +159,9 @@ def _check_fields(body: dict) -> None:
         value = body.get(name)
         if value is not None and not isinstance(value, bool):
             raise ApiError(400, f"{name} must be true or false; got {value!r}", param=name)
-    for name, why, fix in _DEFAULT_ONLY:
+    for name, zero_is_default, why, fix in _DEFAULT_ONLY:
         value = body.get(name)
-        # logprobs=0 is no default: OpenAI's legacy completions then return the chosen tokens' log probabilities
-        zero = name != "logprobs" and type(value) in (int, float) and value == 0
+        zero = zero_is_default and type(value) in (int, float) and value == 0
         if not (value is None or value is False or zero):
             raise ApiError(400, f"{name}={value!r} cannot be honoured: {why}; {fix}", param=name)
     if body.get("n", 1) not in (1, None) or isinstance(body.get("n"), bool):
