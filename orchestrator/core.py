@@ -26,11 +26,16 @@ model says a round of two half-batch steps with drafting hidden costs less than 
 drafting (`pipelining_pays`), one on a CPU-only machine, where drafting and verification share the cores.
 
 Streaming to clients goes through `on_output` callbacks (and the async runner in `orchestrator/runner.py`).
+
+One request's trouble never stops the others: a request the engine refuses (`RequestError`, whose contract is that
+nothing in the engine changed) finishes with `FinishReason.ERROR` and the engine's message, and a callback that raises
+cancels its own request (logged, counted in `callback_errors`). Either way the loop that serves everyone goes on.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import statistics
 import time
 from collections import deque
@@ -54,13 +59,16 @@ from orchestrator.request import (
 )
 from trt_engines.base import KVCacheFullError, RequestError, TargetEngine, VerifyItem
 
+_LOG = logging.getLogger(__name__)
+
 OutputCallback = Callable[[RequestOutput], None]
 
 
 @dataclass
 class StepRecord:
-    """What one step decided and what happened (for metrics and plots). `batch` 0: a step that only prefilled
-    (chunks of prompts while no request was running yet), with no verify."""
+    """What one step decided and what happened (for metrics and plots). `batch` 0: a step with no verify, which only
+    prefilled (chunks of prompts while no request was running yet) or whose verify the engine refused for one request
+    (which failed; the others verify next step)."""
 
     batch: int
     prefills: int
@@ -143,6 +151,8 @@ class Orchestrator:
         self.records: deque[StepRecord] = deque(maxlen=keep_step_records)
         self.drafter_fallbacks = 0  # request-steps decoded plainly because drafting failed or timed out
         self.drafter_timeouts = 0  # of which timed out
+        self.engine_refusals = 0  # requests failed because the engine refused them mid-generation (RequestError)
+        self.callback_errors = 0  # output callbacks that raised (their requests were cancelled)
         if draft_timeout_s is not None and not draft_timeout_s > 0:
             raise ValueError(f"draft_timeout_s must be > 0 (or None for no timeout); got {draft_timeout_s}")
         self.draft_timeout_s = draft_timeout_s
@@ -204,8 +214,8 @@ class Orchestrator:
         for i, (rid, _, callback) in enumerate(self.waiting):
             if rid == request_id:
                 del self.waiting[i]
-                if callback:
-                    callback(RequestOutput(request_id, [], finish_reason=FinishReason.CANCELLED, stats=RequestStats()))
+                self._call_back(request_id, callback,
+                                RequestOutput(request_id, [], finish_reason=FinishReason.CANCELLED, stats=RequestStats()))
                 return True
         state = self.running.get(request_id) or self.prefilling.get(request_id)
         if state is None:
@@ -264,21 +274,18 @@ class Orchestrator:
         budget_s = time.perf_counter() - budget_started
 
         items = [VerifyItem(s.request_id, t) for s, t in zip(states, trees)]
-        overlapped_s = 0.0
-        if micro_batches > 1:
-            if self._verify_pool is None:
-                self._verify_pool = ThreadPoolExecutor(1, thread_name_prefix="verify")
-            pending = self._verify_pool.submit(self.engine.verify, items)
-            verifying = {s.request_id for s in states}
-            upcoming = [s for s in self.running.values() if s.request_id not in verifying]
-            ahead_started = time.perf_counter()
-            try:
-                fallbacks += self._draft_ahead(upcoming[: -(-len(self.running) // micro_batches)])
-            finally:  # never leave a verify in flight: the engine is this thread's again once the step ends
-                overlapped_s = time.perf_counter() - ahead_started
-                verify = pending.result()
-        else:
-            verify = self.engine.verify(items)
+        try:
+            verify, overlapped_s, ahead_fallbacks = self._verify(items, states, micro_batches)
+        except RequestError as exc:
+            if exc.request_id not in {s.request_id for s in states}:  # not about a request of this batch: a bug
+                raise
+            refused = self.running[exc.request_id]
+            # Nothing in the engine changed (RequestError's contract): fail that request alone; the others are
+            # drafted and verified again next step.
+            self._drafter_idle()
+            self._refuse(refused, exc)
+            return self._prefill_only_record(prefills, started)
+        fallbacks += ahead_fallbacks
         # The whole verify call (input packing and sampling included) is what a step costs the batch.
         measured_s = verify.timings.get("total_ms", verify.timings.get("forward_ms", 0.0)) / 1e3
         # Drafting ahead started with the verify; only what outlasted it delays the step (by the engine's own clock,
@@ -318,13 +325,31 @@ class Orchestrator:
                     self.running[state.request_id] = self.running.pop(state.request_id)
         return record
 
+    def _verify(self, items: list[VerifyItem], states: list[_Running], micro_batches: int):
+        """The engine's verify of `items`; with micro-batches on the verify worker while this thread drafts the next
+        micro-batch. Returns the verify result, the seconds spent drafting ahead, and that drafting's fallbacks."""
+        if micro_batches == 1:
+            return self.engine.verify(items), 0.0, 0
+        if self._verify_pool is None:
+            self._verify_pool = ThreadPoolExecutor(1, thread_name_prefix="verify")
+        pending = self._verify_pool.submit(self.engine.verify, items)
+        verifying = {s.request_id for s in states}
+        upcoming = [s for s in self.running.values() if s.request_id not in verifying]
+        ahead_started = time.perf_counter()
+        try:
+            fallbacks = self._draft_ahead(upcoming[: -(-len(self.running) // micro_batches)])
+        finally:  # never leave a verify in flight: the engine is this thread's again once the step ends
+            overlapped_s = time.perf_counter() - ahead_started
+            verify = pending.result()
+        return verify, overlapped_s, fallbacks
+
     def _prefill_fields(self) -> dict[str, list]:
         """This step's prefill calls as `StepRecord`'s per-call fields."""
         names = ("prefill_tokens", "prefill_s", "prefill_cached", "prefill_context")  # `_prefills`' tuple order
         return {name: [call[i] for call in self._prefills] for i, name in enumerate(names)}
 
     def _prefill_only_record(self, prefills: int, started: float) -> StepRecord:
-        """A step that only prefilled (chunks of prompts, none running yet): batch 0, no verify. Recorded, so that
+        """A step without a verify (only prefills, or a refused verify): batch 0. Recorded, so that
         the step records account for every prompt token's prefill and its seconds, as with whole prefills (where a
         request's prefill shares the step of its first verify)."""
         record = StepRecord(
@@ -472,9 +497,13 @@ class Orchestrator:
 
     def _prefill_more(self, state: _Running, budget: int) -> int:
         """The next chunk (at most `budget` tokens) of a prompt being prefilled; returns the tokens computed."""
-        left = self.engine.prompt_tokens_left(state.request_id)
-        started = self.clock()
-        first = self.engine.prefill(state.request_id, budget)
+        try:
+            left = self.engine.prompt_tokens_left(state.request_id)
+            started = self.clock()
+            first = self.engine.prefill(state.request_id, budget)
+        except RequestError as exc:
+            self._refuse(state, exc)
+            return 0
         seconds = self.clock() - started
         computed = left - (0 if first is not None else self.engine.prompt_tokens_left(state.request_id))
         self._prefills.append((computed, seconds, 0, len(state.request.prompt_ids) - left))
@@ -530,7 +559,11 @@ class Orchestrator:
 
     def _advance(self, state: _Running, accepted_nodes: np.ndarray, new_tokens: np.ndarray) -> None:
         tokens = [int(t) for t in new_tokens]
-        self.engine.commit(state.request_id, accepted_nodes, next_root=tokens[-1])
+        try:
+            self.engine.commit(state.request_id, accepted_nodes, next_root=tokens[-1])
+        except RequestError as exc:
+            self._refuse(state, exc)
+            return
         state.context_len += len(tokens)  # the old root + accepted nodes are cached now
         self._emit_tokens(state, tokens)
 
@@ -560,23 +593,51 @@ class Orchestrator:
                 text += state.detok.flush()
         if reason is not None:
             self._finish(state, reason, kept, text)
-        elif state.on_output is not None:
-            state.on_output(RequestOutput(state.request_id, kept, text))
+        elif not self._call_back(state.request_id, state.on_output, RequestOutput(state.request_id, kept, text)):
+            state.on_output = None  # it has failed once: the cancellation is not sent to it
+            self._finish(state, FinishReason.CANCELLED)
 
-    def _finish(self, state: _Running, reason: FinishReason, tokens: list[int] | None = None, text: str = "") -> None:
+    def _finish(self, state: _Running, reason: FinishReason, tokens: list[int] | None = None, text: str = "", *,
+                error: str | None = None) -> None:
         self.running.pop(state.request_id, None)
         self.prefilling.pop(state.request_id, None)
         self._drafted_ahead.pop(state.request_id, None)
         self._reserved.pop(state.request_id, None)
-        self.engine.release(state.request_id)
+        try:
+            self.engine.release(state.request_id)
+        except RequestError:
+            if error is None:
+                raise
+            # failing a request the engine refused: one it does not know holds nothing there
         self._index_outputs([state])  # the whole output joins the drafter's output history
         self.drafter.stop_request(state.request_id)
-        if state.on_output is not None:
-            state.on_output(RequestOutput(state.request_id, tokens or [], text, finish_reason=reason, stats=state.stats))
+        self._call_back(state.request_id, state.on_output,
+                        RequestOutput(state.request_id, tokens or [], text, finish_reason=reason, stats=state.stats,
+                                      error=error))
+
+    def _refuse(self, state: _Running, exc: RequestError) -> None:
+        """Fail a request the engine refused mid-generation; the caller's step goes on for the others."""
+        self.engine_refusals += 1
+        _LOG.error("the engine refused request %r; it fails, the others go on: %s", state.request_id, exc)
+        self._finish(state, FinishReason.ERROR, error=str(exc))
 
     def _fail(self, request_id: str, callback: OutputCallback | None, message: str) -> None:
-        if callback is not None:
-            callback(RequestOutput(request_id, [], finish_reason=FinishReason.ERROR, stats=RequestStats(), error=message))
+        self._call_back(request_id, callback, RequestOutput(request_id, [], finish_reason=FinishReason.ERROR,
+                                                            stats=RequestStats(), error=message))
+
+    def _call_back(self, request_id: str, callback: OutputCallback | None, output: RequestOutput) -> bool:
+        """Hand `output` to the request's callback; False if the callback raised. A client's broken callback must
+        not stop the loop that serves every request: its error is logged and counted, and its request cancelled."""
+        if callback is None:
+            return True
+        try:
+            callback(output)
+        except Exception:  # noqa: BLE001 - any client error; it is logged with its traceback
+            self.callback_errors += 1
+            _LOG.exception("the output callback of request %r raised; %s", request_id,
+                           "the request had finished" if output.finished else "the request is cancelled")
+            return False
+        return True
 
 
 def check_prefill_chunk(prefill_chunk: int | None) -> int | None:

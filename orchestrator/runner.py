@@ -95,7 +95,7 @@ class OrchestratorRunner:
         holder: list[BaseException] = []
         self._commands.put(("submit", request, on_output, request_id, done, holder))
         self._wake.set()
-        done.wait()
+        self._wait_for(done)
         if holder:
             raise holder[0]
         return request_id
@@ -115,13 +115,18 @@ class OrchestratorRunner:
         holder: list = []
         self._commands.put(("call", fn, done, holder))
         self._wake.set()
-        while not done.wait(0.5):
-            if not self.alive and not done.is_set():  # stopped before it got to the call
-                raise RuntimeError("the runner stopped before running the call")
+        self._wait_for(done)
         kind, value = holder[0]
         if kind == "error":
             raise value
         return value
+
+    def _wait_for(self, done: threading.Event) -> None:
+        """Wait until the runner thread has applied a command; raise if the thread stopped before it did."""
+        while not done.wait(0.5):
+            if not self.alive and not done.is_set():
+                raise RuntimeError(f"the runner stopped before it took the command ({self.error!r})"
+                                   if self.error else "the runner stopped before it took the command")
 
     async def stream(self, request: GenerationRequest, *, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         loop = asyncio.get_running_loop()

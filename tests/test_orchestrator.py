@@ -75,12 +75,12 @@ def reference(engine, prompt_ids) -> list[list[int]]:
 
 
 def make_orchestrator(engine, datastore, policy: str, *, tokenizer=None, max_running=4, drafter=None,
-                      draft_timeout_s=None, offline_batch=False, micro_batches=None):
+                      draft_timeout_s=None, offline_batch=False, micro_batches=None, prefill_chunk=None):
     drafter = drafter or Drafter(DrafterConfig(), datastores=[datastore])
     model = StepTimeModel(ModelShape.from_config(default_model_dir()), CPU, dtype="float32")
     return Orchestrator(engine, drafter, BudgetController(BudgetPolicy.parse(policy), model),
                         tokenizer=tokenizer, max_running=max_running, draft_timeout_s=draft_timeout_s,
-                        offline_batch=offline_batch, micro_batches=micro_batches)
+                        offline_batch=offline_batch, micro_batches=micro_batches, prefill_chunk=prefill_chunk)
 
 
 def run_all(orchestrator, requests) -> dict[str, dict]:
@@ -243,6 +243,73 @@ def test_cancel_mid_stream_frees_kv(engine, datastore, prompt_ids, reference):
     assert outputs[ids[0]][-1].finish_reason == FinishReason.CANCELLED
     orchestrator.run_until_idle()
     assert sum((o.token_ids for o in outputs[ids[1]]), []) == reference[1]
+    assert engine.free_blocks() == free_before
+
+
+def test_a_callback_that_raises_cancels_its_own_request_only(engine, datastore, prompt_ids, reference, caplog):
+    orchestrator = make_orchestrator(engine, datastore, "goodput")
+    free_before = engine.free_blocks()
+    outputs: dict[str, list] = {}
+    broken_calls = []
+
+    def collect(out):
+        outputs.setdefault(out.request_id, []).append(out)
+
+    def broken(out):  # a client whose callback fails on its third update
+        broken_calls.append(out)
+        if len(broken_calls) == 3:
+            raise ConnectionResetError("client went away")
+
+    ids = [orchestrator.submit(GenerationRequest(prompt_ids=p, max_tokens=24), collect) for p in prompt_ids[:3]]
+    broken_id = orchestrator.submit(GenerationRequest(prompt_ids=prompt_ids[3], max_tokens=24), broken)
+    with caplog.at_level("ERROR", logger="orchestrator.core"):
+        orchestrator.run_until_idle(max_steps=500)
+    assert orchestrator.idle
+    assert [sum((o.token_ids for o in outputs[i]), []) for i in ids] == reference[:3]
+    assert all(outputs[i][-1].finish_reason == FinishReason.LENGTH for i in ids)
+    # cancelled at its third update: no later output reached the broken callback, and its KV blocks are free
+    assert len(broken_calls) == 3 and orchestrator.callback_errors == 1
+    assert sum((o.token_ids for o in broken_calls), []) == reference[3][: sum(len(o.token_ids) for o in broken_calls)]
+    assert engine.free_blocks() == free_before
+    assert any(broken_id in r.getMessage() and "cancelled" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_a_request_the_engine_refuses_fails_alone(engine, datastore, prompt_ids, reference, micro_batches):
+    orchestrator = make_orchestrator(engine, datastore, "goodput", micro_batches=micro_batches)
+    free_before = engine.free_blocks()
+    outputs: dict[str, list] = {}
+    ids = [orchestrator.submit(GenerationRequest(prompt_ids=p, max_tokens=24),
+                               lambda out: outputs.setdefault(out.request_id, []).append(out)) for p in prompt_ids[:3]]
+    for _ in range(3):
+        orchestrator.step()
+    # The engine forgets one request behind the orchestrator's back: its next verify refuses it (RequestError).
+    engine.release(ids[1])
+    orchestrator.run_until_idle(max_steps=500)
+    assert orchestrator.idle and orchestrator.engine_refusals == 1
+    last = outputs[ids[1]][-1]
+    assert last.finish_reason == FinishReason.ERROR and "unknown request" in last.error and ids[1] in last.error
+    for i in (0, 2):
+        assert sum((o.token_ids for o in outputs[ids[i]]), []) == reference[i]
+    assert engine.free_blocks() == free_before
+    # and the orchestrator serves on
+    results = run_all(orchestrator, [GenerationRequest(prompt_ids=prompt_ids[4], max_tokens=24)])
+    assert [r["tokens"] for r in results.values()] == [reference[4]]
+
+
+def test_a_prompt_the_engine_refuses_between_chunks_fails_alone(engine, datastore, prompt_ids, reference):
+    orchestrator = make_orchestrator(engine, datastore, "goodput", prefill_chunk=8)
+    free_before = engine.free_blocks()
+    outputs: dict[str, list] = {}
+    ids = [orchestrator.submit(GenerationRequest(prompt_ids=p, max_tokens=24),
+                               lambda out: outputs.setdefault(out.request_id, []).append(out))
+           for p in (prompt_ids[3], prompt_ids[0])]
+    orchestrator.step()
+    assert list(orchestrator.prefilling) == [ids[0]]  # 8 of its prompt tokens are in
+    engine.release(ids[0])
+    orchestrator.run_until_idle(max_steps=500)
+    assert orchestrator.engine_refusals == 1 and outputs[ids[0]][-1].finish_reason == FinishReason.ERROR
+    assert sum((o.token_ids for o in outputs[ids[1]]), []) == reference[0]
     assert engine.free_blocks() == free_before
 
 
@@ -507,6 +574,8 @@ def test_a_runner_builds_from_a_factory_on_its_own_thread_and_runs_calls_there(e
     with pytest.raises(ValueError, match="no such model"):
         failed.start()
     assert not failed.alive and failed.orchestrator is None
+    with pytest.raises(RuntimeError, match="runner stopped before it took the command.*no such model"):
+        failed.submit(GenerationRequest(prompt_ids=prompt_ids[0], max_tokens=4), lambda out: None)
 
 
 def test_runner_streams_concurrently_and_cancels_abandoned_streams(engine, datastore, prompt_ids, reference):
@@ -532,3 +601,21 @@ def test_runner_streams_concurrently_and_cancels_abandoned_streams(engine, datas
     runner.shutdown()
     assert not runner.alive and runner.error is None and not drafter_threads()
     assert engine.free_blocks() == free_before
+
+
+def test_a_runner_serves_on_after_a_client_callback_raises(engine, datastore, prompt_ids, reference):
+    runner = OrchestratorRunner(make_orchestrator(engine, datastore, "goodput")).start()
+    free_before = engine.free_blocks()
+    failed = threading.Event()
+
+    def broken(out):
+        failed.set()
+        raise RuntimeError("Event loop is closed")  # what `call_soon_threadsafe` raises once a client's loop is gone
+
+    runner.submit(GenerationRequest(prompt_ids=prompt_ids[0], max_tokens=24), broken)
+    assert failed.wait(60)
+    completion = runner.generate(GenerationRequest(prompt_ids=prompt_ids[1], max_tokens=24), timeout=120)
+    assert completion.token_ids == reference[1] and completion.finish_reason == FinishReason.LENGTH
+    assert runner.alive and runner.error is None
+    runner.shutdown()
+    assert runner.orchestrator.callback_errors == 1 and engine.free_blocks() == free_before
