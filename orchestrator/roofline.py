@@ -107,6 +107,12 @@ class ModelShape:
     vocab: int
     tp: int = 1
 
+    def __post_init__(self) -> None:
+        # Tensor parallelism splits the attention heads across GPUs (KV heads are replicated where fewer).
+        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1 or self.n_heads % self.tp:
+            raise ValueError(f"the tensor-parallel degree must be a whole number >= 1 that divides the model's "
+                             f"{self.n_heads} attention heads; got {self.tp!r}")
+
     @classmethod
     def from_config(cls, config: dict | str | Path, *, tp: int = 1) -> "ModelShape":
         if not isinstance(config, dict):

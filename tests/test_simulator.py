@@ -187,6 +187,15 @@ def test_cli_errors_name_the_fix(capsys, tmp_path):
         simulate_main(["--trace", str(tmp_path / "missing.csv"), "--prompts", "2"])
     err = capsys.readouterr().err
     assert "missing.csv: cannot read the arrival trace" in err and "Traceback" not in err
+    # numbers out of range: one line naming the option (they raised a traceback, or divided by zero, before)
+    for argv, message in ((["--tp", "0"], "tensor-parallel degree"), (["--tp", "3"], "divides the model's 32"),
+                          (["--prompts", "0"], "--prompts must be >= 1"), (["--max-tokens", "0"], "max_tokens must"),
+                          (["--concurrency", "4", "0"], "concurrency (requests running at once) must be >= 1"),
+                          (["--rates", "-1"], "rate must be > 0"),
+                          (["--rates", "1", "--max-running", "0"], "concurrency (requests running at once)")):
+        with pytest.raises(SystemExit):
+            simulate_main([*argv, "--prompts", argv[1] if argv[0] == "--prompts" else "2"])
+        assert message in capsys.readouterr().err, argv
 
 
 def test_split_batches_reproduce_the_trajectories_and_hide_drafting(eval_trajectories, drafter):

@@ -116,8 +116,10 @@ class Workload:
     def __post_init__(self) -> None:
         if len(self.arrivals_s) != len(self.trajectories):
             raise ValueError(f"{len(self.arrivals_s)} arrival times for {len(self.trajectories)} requests")
-        if self.max_tokens < 1 or self.concurrency < 1:
-            raise ValueError("max_tokens and concurrency must be >= 1")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1 (tokens per request); got {self.max_tokens}")
+        if self.concurrency < 1:
+            raise ValueError(f"the concurrency (requests running at once) must be >= 1; got {self.concurrency}")
 
 
 def closed_loop_arrivals(n: int) -> np.ndarray:
@@ -374,18 +376,21 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--micro-batches other than 1 needs --host-time draft, plan or none")
         check_prefill_chunk(args.prefill_chunk)
         deployment.step_model().predict(np.ones(1), np.zeros(1))  # fails fast on a dtype the device lacks
+        if args.prompts < 1:
+            raise ValueError(f"--prompts must be >= 1 (requests per prompt set); got {args.prompts}")
         trajectories = load_prompt_trajectories(args.sets, args.prompts)
         n = len(trajectories)
         traced = None if not args.trace else trace_arrivals(args.trace, n)  # read before any simulation runs
+        # built (and so checked) before any simulation runs
+        workloads = [(f"closed c={c}", Workload(tuple(trajectories), args.max_tokens, tuple(closed_loop_arrivals(n)),
+                                                c)) for c in args.concurrency]
+        workloads += [(f"poisson {r}/s", Workload(tuple(trajectories), args.max_tokens, tuple(poisson_arrivals(n, r)),
+                                                  args.max_running)) for r in args.rates]
+        if args.trace:
+            workloads.append((f"trace {Path(args.trace).name}",
+                              Workload(tuple(trajectories), args.max_tokens, tuple(traced), args.max_running)))
     except (ValueError, FileNotFoundError) as exc:
         parser.error(str(exc))
-    workloads = [(f"closed c={c}", Workload(tuple(trajectories), args.max_tokens, tuple(closed_loop_arrivals(n)), c))
-                 for c in args.concurrency]
-    workloads += [(f"poisson {r}/s", Workload(tuple(trajectories), args.max_tokens, tuple(poisson_arrivals(n, r)),
-                                              args.max_running)) for r in args.rates]
-    if args.trace:
-        workloads.append((f"trace {Path(args.trace).name}",
-                          Workload(tuple(trajectories), args.max_tokens, tuple(traced), args.max_running)))
     drafter = default_drafter()
     rows = []
     print(f"{args.model} tp={args.tp} on {deployment.hardware.name}, {n} requests from {', '.join(args.sets)}, "
