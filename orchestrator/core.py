@@ -599,6 +599,7 @@ class Orchestrator:
 
     def _finish(self, state: _Running, reason: FinishReason, tokens: list[int] | None = None, text: str = "", *,
                 error: str | None = None) -> None:
+        """Retire a request and send its last update. `error`: the engine refused it (`_refuse`), a server error."""
         self.running.pop(state.request_id, None)
         self.prefilling.pop(state.request_id, None)
         self._drafted_ahead.pop(state.request_id, None)
@@ -613,7 +614,7 @@ class Orchestrator:
         self.drafter.stop_request(state.request_id)
         self._call_back(state.request_id, state.on_output,
                         RequestOutput(state.request_id, tokens or [], text, finish_reason=reason, stats=state.stats,
-                                      error=error))
+                                      error=error, server_error=error is not None))
 
     def _refuse(self, state: _Running, exc: RequestError) -> None:
         """Fail a request the engine refused mid-generation; the caller's step goes on for the others."""

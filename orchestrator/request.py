@@ -65,6 +65,7 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     stats: RequestStats | None = None  # on the final update
     error: str | None = None
+    server_error: bool = False  # the failure was the server's (the engine refused it mid-generation), not the request's
 
     @property
     def finished(self) -> bool:

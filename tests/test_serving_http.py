@@ -201,6 +201,45 @@ def test_client_disconnect_mid_stream_cancels_and_frees_kv(server):
     assert 'retrospec_requests_total{finish_reason="cancelled",frontend="http"}' in metrics
 
 
+def _forget_running_requests(stack) -> list[str]:
+    """Make the engine forget every running request, on the runner thread between steps, as an engine that lost
+    them would: each one's next verify is refused (RequestError)."""
+    def forget():
+        ids = list(stack.orchestrator.running)
+        for request_id in ids:
+            stack.engine.release(request_id)
+        return ids
+
+    return stack.runner.call(forget)
+
+
+def test_a_request_the_engine_refuses_mid_generation_is_a_server_error_and_the_server_serves_on(server):
+    stack = server["stack"]
+    long = completion(server["prompts"][2], max_tokens=400, ignore_eos=True)
+    with httpx.Client(base_url=server["url"], timeout=60) as client:
+        with client.stream("POST", "/v1/completions", json={**long, "stream": True}) as response:
+            lines = (line for line in response.iter_lines() if line.startswith("data: "))
+            assert json.loads(next(lines)[6:])["choices"][0]["token_ids"]
+            assert _forget_running_requests(stack)
+            events = [json.loads(line[6:]) for line in lines if line != "data: [DONE]"]
+        assert events[-1]["error"]["type"] == "server_error" and "unknown request" in events[-1]["error"]["message"]
+
+        answer: dict = {}
+        thread = threading.Thread(target=lambda: answer.update(r=client.post("/v1/completions", json=long)))
+        thread.start()
+        assert wait_until(lambda: stack.orchestrator.running)
+        assert _forget_running_requests(stack)
+        thread.join(60)
+        assert answer["r"].status_code == 500 and answer["r"].json()["error"]["type"] == "server_error"
+
+        good = client.post("/v1/completions", json=completion(server["prompts"][1]))
+        assert good.json()["choices"][0]["token_ids"] == server["reference"][1]
+    assert stack.runner.alive and stack.orchestrator.engine_refusals == 2
+    assert wait_until(lambda: stack.engine.free_blocks() == stack.engine.total_blocks())
+    metrics = httpx.get(server["url"] + "/metrics").text
+    assert 'retrospec_requests_total{finish_reason="error",frontend="http"} 2.0' in metrics
+
+
 async def _stream_one(client: httpx.AsyncClient, prompt: list[int]) -> tuple[list[int], str]:
     tokens: list[int] = []
     finish = None

@@ -232,7 +232,8 @@ async def _respond(stack: ServingStack, body: dict, gen: GenerationRequest, *, c
             text += out.text
             final = out
     if final.finish_reason == FinishReason.ERROR:
-        raise ApiError(400, final.error or "the request failed")
+        raise ApiError(500 if final.server_error else 400, final.error or "the request failed",
+                       kind=_error_kind(final))
     choice = {"index": 0, "finish_reason": _FINISH.get(final.finish_reason, "stop"), "token_ids": tokens}
     if chat:
         choice["message"] = {"role": "assistant", "content": text}
@@ -244,6 +245,12 @@ async def _respond(stack: ServingStack, body: dict, gen: GenerationRequest, *, c
     })
 
 
+def _error_kind(out: RequestOutput) -> str:
+    """OpenAI's error type for a failed request: the server's fault (the engine refused it mid-generation) or the
+    request's (e.g. more KV blocks than the engine has)."""
+    return "server_error" if out.server_error else "invalid_request_error"
+
+
 async def _sse(outputs: AsyncIterator[RequestOutput], rid: str, created: int, model: str, gen: GenerationRequest,
                *, chat: bool) -> AsyncIterator[bytes]:
     kind = "chat.completion.chunk" if chat else "text_completion"
@@ -252,7 +259,7 @@ async def _sse(outputs: AsyncIterator[RequestOutput], rid: str, created: int, mo
     async for out in outputs:  # a client disconnect cancels this generator, and the stream cancels the request
         count += len(out.token_ids)
         if out.finish_reason == FinishReason.ERROR:
-            error = {"error": {"message": out.error or "the request failed", "type": "invalid_request_error",
+            error = {"error": {"message": out.error or "the request failed", "type": _error_kind(out),
                                "param": None, "code": None}}
             yield f"data: {json.dumps(error)}\n\n".encode()
             break
