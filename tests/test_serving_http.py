@@ -201,7 +201,7 @@ def test_client_disconnect_mid_stream_cancels_and_frees_kv(server):
     assert 'retrospec_requests_total{finish_reason="cancelled",frontend="http"}' in metrics
 
 
-def _forget_running_requests(stack) -> list[str]:
+def forget_running_requests(stack) -> list[str]:
     """Make the engine forget every running request, on the runner thread between steps, as an engine that lost
     them would: each one's next verify is refused (RequestError)."""
     def forget():
@@ -220,7 +220,7 @@ def test_a_request_the_engine_refuses_mid_generation_is_a_server_error_and_the_s
         with client.stream("POST", "/v1/completions", json={**long, "stream": True}) as response:
             lines = (line for line in response.iter_lines() if line.startswith("data: "))
             assert json.loads(next(lines)[6:])["choices"][0]["token_ids"]
-            assert _forget_running_requests(stack)
+            assert forget_running_requests(stack)
             events = [json.loads(line[6:]) for line in lines if line != "data: [DONE]"]
         assert events[-1]["error"]["type"] == "server_error" and "unknown request" in events[-1]["error"]["message"]
 
@@ -228,7 +228,7 @@ def test_a_request_the_engine_refuses_mid_generation_is_a_server_error_and_the_s
         thread = threading.Thread(target=lambda: answer.update(r=client.post("/v1/completions", json=long)))
         thread.start()
         assert wait_until(lambda: stack.orchestrator.running)
-        assert _forget_running_requests(stack)
+        assert forget_running_requests(stack)
         thread.join(60)
         assert answer["r"].status_code == 500 and answer["r"].json()["error"]["type"] == "server_error"
 

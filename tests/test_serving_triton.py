@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.test_serving_http import MAX_TOKENS, PROMPTS, build_test_datastore, wait_until
+from tests.test_serving_http import MAX_TOKENS, PROMPTS, forget_running_requests, build_test_datastore, wait_until
 from trt_engines.prepare import default_model_dir, is_complete
 
 pytestmark = pytest.mark.skipif(not is_complete(default_model_dir()), reason="default model not prepared")
@@ -253,6 +253,23 @@ def test_a_client_that_cancels_its_stream_cancels_the_generation_and_frees_kv(se
     # the server keeps serving, exactly
     out = stream_generate(grpc_url(server), {"input_ids": ids, "max_tokens": np.array([MAX_TOKENS], np.int32)})
     assert out["error"] is None and out["tokens"] == server["reference"][0]
+
+
+def test_a_request_the_engine_refuses_mid_generation_ends_its_stream_with_the_error_and_the_server_serves_on(server):
+    stack = server["stack"]
+    ids = np.asarray(server["prompts"][2], np.int32)
+    outcome: dict = {}
+    long = {"input_ids": ids, "max_tokens": np.array([400], np.int32), "ignore_eos": np.array([True])}
+    thread = threading.Thread(target=lambda: outcome.update(stream_generate(grpc_url(server), long)))
+    thread.start()
+    assert wait_until(lambda: stack.orchestrator.running)
+    assert forget_running_requests(stack)
+    thread.join(120)
+    assert "unknown request" in str(outcome["error"]) and len(outcome["tokens"]) < 400
+    assert wait_until(lambda: stack.orchestrator.idle and stack.engine.free_blocks() == stack.engine.total_blocks())
+    assert stack.runner.alive
+    out = stream_generate(grpc_url(server), {"input_ids": ids, "max_tokens": np.array([MAX_TOKENS], np.int32)})
+    assert out["error"] is None and out["tokens"] == server["reference"][2]
 
 
 def test_the_cancellation_proxy_template_agrees_with_the_server_on_its_wire_names():
