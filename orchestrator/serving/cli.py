@@ -64,6 +64,9 @@ def prefill_chunk_arg(text: str) -> int | str | None:
 def _config(args):
     from orchestrator.serving.stack import ServingConfig
 
+    if args.draft_timeout_ms is not None and not args.draft_timeout_ms > 0:  # NaN too
+        raise ValueError(f"--draft-timeout-ms must be > 0 milliseconds (leave it out for no timeout); got "
+                         f"{args.draft_timeout_ms:g}")
     return ServingConfig(model=args.model, model_name=args.model_name, dtype=args.dtype, device=args.device,
                          cpu_kernels=args.cpu_kernels, prefix_caching=args.prefix_caching,
                          num_blocks=args.num_blocks, max_context=args.max_context,
