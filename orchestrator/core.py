@@ -251,7 +251,7 @@ class Orchestrator:
         self._drafter_idle()
         prefills = self._admit()
         if not self.running:
-            return self._prefill_only_record(prefills, started) if self._prefills else None
+            return self._record_without_verify(prefills, started) if self._prefills else None
         micro_batches = self._micro_batches_now()
         states = list(self.running.values())
         if micro_batches > 1:  # the requests drafted ahead, else the front of the rotation
@@ -284,7 +284,7 @@ class Orchestrator:
             # drafted and verified again next step.
             self._drafter_idle()
             self._refuse(refused, exc)
-            return self._prefill_only_record(prefills, started)
+            return self._record_without_verify(prefills, started)
         fallbacks += ahead_fallbacks
         # The whole verify call (input packing and sampling included) is what a step costs the batch.
         measured_s = verify.timings.get("total_ms", verify.timings.get("forward_ms", 0.0)) / 1e3
@@ -348,7 +348,7 @@ class Orchestrator:
         names = ("prefill_tokens", "prefill_s", "prefill_cached", "prefill_context")  # `_prefills`' tuple order
         return {name: [call[i] for call in self._prefills] for i, name in enumerate(names)}
 
-    def _prefill_only_record(self, prefills: int, started: float) -> StepRecord:
+    def _record_without_verify(self, prefills: int, started: float) -> StepRecord:
         """A step without a verify (only prefills, or a refused verify): batch 0. Recorded, so that
         the step records account for every prompt token's prefill and its seconds, as with whole prefills (where a
         request's prefill shares the step of its first verify)."""

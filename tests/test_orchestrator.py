@@ -297,6 +297,29 @@ def test_a_request_the_engine_refuses_fails_alone(engine, datastore, prompt_ids,
     assert [r["tokens"] for r in results.values()] == [reference[4]]
 
 
+def test_a_commit_the_engine_refuses_fails_that_request_alone(engine, datastore, prompt_ids, reference):
+    orchestrator = make_orchestrator(engine, datastore, "goodput")
+    free_before = engine.free_blocks()
+    outputs: dict[str, list] = {}
+    ids: list[str] = []
+
+    def collect(out):
+        outputs.setdefault(out.request_id, []).append(out)
+        # The first request's third update comes inside a step, between the batch's verify and the next request's
+        # commit: the engine forgets that request there, so its commit is refused.
+        if out.request_id == ids[0] and len(outputs[ids[0]]) == 3:
+            engine.release(ids[1])
+
+    ids += [orchestrator.submit(GenerationRequest(prompt_ids=p, max_tokens=24), collect) for p in prompt_ids[:3]]
+    orchestrator.run_until_idle(max_steps=500)
+    assert orchestrator.engine_refusals == 1 and orchestrator.callback_errors == 0
+    last = outputs[ids[1]][-1]
+    assert last.finish_reason == FinishReason.ERROR and last.server_error and "unknown request" in last.error
+    for i in (0, 2):
+        assert sum((o.token_ids for o in outputs[ids[i]]), []) == reference[i]
+    assert engine.free_blocks() == free_before
+
+
 def test_a_prompt_the_engine_refuses_between_chunks_fails_alone(engine, datastore, prompt_ids, reference):
     orchestrator = make_orchestrator(engine, datastore, "goodput", prefill_chunk=8)
     free_before = engine.free_blocks()

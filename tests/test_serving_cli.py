@@ -106,8 +106,10 @@ def test_serve_both_front_ends_then_graceful_sigterm(tmp_path):
     (["--model-name="], "model_name must not be empty"),
     (["--prefill-chunk", "-8"], "prefill_chunk must be 'auto', an int >= 1"),
     (["--prefill-chunk", "whole"], "expected auto, 0 (whole prompts) or prompt tokens per step, got 'whole'"),
-    (["--draft-timeout-ms", "-1"], "--draft-timeout-ms must be > 0 milliseconds (leave it out for no timeout); got -1"),
-    (["--draft-timeout-ms", "nan"], "--draft-timeout-ms must be > 0 milliseconds"),
+    (["--draft-timeout-ms", "-1"], "--draft-timeout-ms: expected milliseconds > 0 (leave it out for no timeout), "
+                                   "got '-1'"),
+    (["--draft-timeout-ms", "nan"], "--draft-timeout-ms: expected milliseconds > 0"),
+    (["--draft-timeout-ms", "soon"], "--draft-timeout-ms: expected milliseconds > 0"),
 ])
 def test_serve_refuses_bad_options_before_starting_anything(capsys, argv, message):
     from orchestrator.serving.cli import serve_main

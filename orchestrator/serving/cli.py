@@ -39,7 +39,7 @@ def _config_args(parser: argparse.ArgumentParser) -> None:
                    "(H100-SXM, ...) or a profile JSON")
     g.add_argument("--no-fit", action="store_true", help="skip the start-up fit of the step-time model")
     g.add_argument("--max-body-bytes", type=int, default=1 << 20)
-    g.add_argument("--draft-timeout-ms", type=float, default=None,
+    g.add_argument("--draft-timeout-ms", type=draft_timeout_ms_arg, default=None,
                    help="a drafting call slower than this makes its step plain decoding (default: no timeout)")
     g.add_argument("--micro-batches", type=int, default=None,
                    help="split the running batch into this many micro-batches that take turns, one drafted while "
@@ -48,6 +48,18 @@ def _config_args(parser: argparse.ArgumentParser) -> None:
                    help="chunked prefill: prompt tokens a step may compute, so a long prompt is prefilled over several "
                    "steps while the running requests keep decoding; 0: whole prompts at admission (default: auto, "
                    "256 where chunks change no bit: bf16 on the CPU; whole prompts elsewhere)")
+
+
+def draft_timeout_ms_arg(text: str) -> float:
+    """A --draft-timeout-ms argument: milliseconds > 0 (checked here, in the flag's unit, not as the config's
+    seconds)."""
+    try:
+        ms = float(text)
+    except ValueError:
+        ms = float("nan")
+    if not ms > 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"expected milliseconds > 0 (leave it out for no timeout), got {text!r}")
+    return ms
 
 
 def prefill_chunk_arg(text: str) -> int | str | None:
@@ -64,9 +76,6 @@ def prefill_chunk_arg(text: str) -> int | str | None:
 def _config(args):
     from orchestrator.serving.stack import ServingConfig
 
-    if args.draft_timeout_ms is not None and not args.draft_timeout_ms > 0:  # NaN too
-        raise ValueError(f"--draft-timeout-ms must be > 0 milliseconds (leave it out for no timeout); got "
-                         f"{args.draft_timeout_ms:g}")
     return ServingConfig(model=args.model, model_name=args.model_name, dtype=args.dtype, device=args.device,
                          cpu_kernels=args.cpu_kernels, prefix_caching=args.prefix_caching,
                          num_blocks=args.num_blocks, max_context=args.max_context,
