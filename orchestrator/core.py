@@ -581,16 +581,17 @@ class Orchestrator:
             if len(state.output) + len(kept) >= request.max_tokens:
                 reason = FinishReason.LENGTH
                 break
-        state.output += kept
-        if state.first_token_s is None:
-            state.first_token_s = self.clock()
         text = ""
         if state.detok is not None:
-            text, hit_stop = state.detok.add(kept)
-            if hit_stop:
+            text, stopped_after = state.detok.add(kept)
+            if stopped_after is not None:  # a stop string: the tokens after the one it ends in are not output
+                kept = kept[:stopped_after]
                 reason = FinishReason.STOP
             elif reason is not None:
                 text += state.detok.flush()
+        state.output += kept
+        if state.first_token_s is None:
+            state.first_token_s = self.clock()
         if reason is not None:
             self._finish(state, reason, kept, text)
         elif not self._call_back(state.request_id, state.on_output, RequestOutput(state.request_id, kept, text)):

@@ -77,38 +77,45 @@ class IncrementalDetokenizer:
 
     Decodes only a short window (from `prefix_offset`) each time, and holds back text that ends in an incomplete
     UTF-8 character or that could be the start of a stop string, so a stop string is never half-emitted.
+
+    Stop strings are looked for after every token, as plain decoding adds them one by one, however many tokens a
+    speculative step brings at once: the stop string and the token it ends in are the ones plain decoding would stop
+    at, so the text and the tokens kept are plain decoding's (`add` says how many of a step's tokens that is). Where
+    several stop strings complete in the same token, the text ends before the one that starts first.
     """
 
     def __init__(self, tokenizer, stop_strings: tuple[str, ...] = ()) -> None:
         self.tokenizer = tokenizer
         self.stop_strings = stop_strings
+        self._longest_stop = max((len(s) for s in stop_strings), default=0)
         self.ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
         self.text = ""  # all text decided so far (emitted or held back)
         self.emitted = 0  # characters of `text` already emitted
 
-    def add(self, token_ids: list[int]) -> tuple[str, bool]:
-        """Append tokens; return (text delta to emit, whether a stop string was hit)."""
-        for token in token_ids:
+    def add(self, token_ids: list[int]) -> tuple[str, int | None]:
+        """Append tokens; return the text delta to emit and, where a stop string was hit, how many of `token_ids`
+        plain decoding would have kept: the stop string ends in the last of them (None: no stop string)."""
+        for n, token in enumerate(token_ids, 1):
             self.ids.append(token)
             prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
             full = self.tokenizer.decode(self.ids[self.prefix_offset :])
             if len(full) > len(prefix) and not full.endswith("\ufffd"):
+                searched = max(0, len(self.text) - self._longest_stop + 1)  # a stop string new text can complete
                 self.text += full[len(prefix) :]
                 self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        for stop in self.stop_strings:
-            at = self.text.find(stop, max(0, self.emitted - len(stop)))
-            if at >= 0:
-                self.text = self.text[:at]
-                delta = self.text[self.emitted :]
-                self.emitted = len(self.text)
-                return delta, True
+                found = [at for at in (self.text.find(stop, searched) for stop in self.stop_strings) if at >= 0]
+                if found:
+                    self.text = self.text[: min(found)]
+                    delta = self.text[self.emitted :]
+                    self.emitted = len(self.text)
+                    return delta, n
         hold = max((_partial_suffix(self.text, s) for s in self.stop_strings), default=0)
         end = len(self.text) - hold
         delta = self.text[self.emitted : end] if end > self.emitted else ""
         self.emitted = max(self.emitted, end)
-        return delta, False
+        return delta, None
 
     def flush(self) -> str:
         delta = self.text[self.emitted :]

@@ -189,6 +189,34 @@ def test_stop_token_stop_string_and_max_tokens(engine, datastore, tokenizer, pro
     assert seven["tokens"] == ref[:7] and seven["finish"] == FinishReason.LENGTH
 
 
+def test_stop_strings_keep_what_plain_decoding_keeps(engine, datastore, tokenizer):
+    # A speculative step brings several tokens at once; plain decoding looks for the stop strings after each one. So
+    # it outputs no token after the one a stop string ends in, and of two stop strings it stops at the one the text
+    # completes first, whichever is listed first. Before, a speculating request output the rest of the step's tokens
+    # (and counted them), and stopped at the first listed stop string that the step's text held.
+    prompt = tuple(tokenizer.encode("Copy this line five times: The cat sat on the mat. The cat sat on the mat.").ids)
+    (ref,), _ = generate(engine, [list(prompt)], max_new_tokens=32, id_prefix="copy")
+    text = tokenizer.decode(ref)
+    first, later = (tokenizer.decode([ref[i]]).strip() for i in (2, 5))  # words of the first copied line
+    assert first and later and first not in later and text.index(first) + len(first) <= text.index(later)
+    kept = next(k for k in range(1, len(ref) + 1) if first in tokenizer.decode(ref[:k]))
+    outputs = {}
+    for policy in ("none", "fixed:16", "goodput"):
+        steps: list[list[int]] = []
+        orchestrator = make_orchestrator(engine, datastore, policy, tokenizer=tokenizer)
+        free_before = engine.free_blocks()
+        orchestrator.submit(GenerationRequest(prompt_ids=prompt, max_tokens=32, stop_strings=(later, first)),
+                            lambda out: steps.append(out) if out.token_ids or out.finished else None)
+        orchestrator.run_until_idle(max_steps=200)
+        assert engine.free_blocks() == free_before
+        outputs[policy] = ([t for out in steps for t in out.token_ids], "".join(out.text for out in steps),
+                           steps[-1].finish_reason)
+        if policy != "none":  # one step brought `first` and `later` at once, or equal outputs would say nothing
+            assert len(steps) < kept
+    assert outputs["none"] == (ref[:kept], text[:text.index(first)], FinishReason.STOP)
+    assert outputs["fixed:16"] == outputs["goodput"] == outputs["none"]
+
+
 @pytest.mark.parametrize("policy", ["fixed:16", "goodput"])
 def test_a_request_that_fills_the_context_gets_trees_that_fit_it(engine, datastore, tokenizer, policy):
     # A repetitive prompt drafts long chains from its own index to the very end: the engine verifies at most
