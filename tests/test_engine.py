@@ -190,38 +190,47 @@ def _filtered_probs(logits: torch.Tensor, params: SamplingParams) -> np.ndarray:
     return torch.softmax(z, -1).numpy()
 
 
-def test_sampled_first_token_has_target_distribution_with_and_without_speculation(engine):
+def test_sampled_first_token_has_target_distribution_and_is_the_same_with_and_without_speculation(engine):
+    # The token sampled at a position depends on the request's seed and the target's distribution there alone
+    # (`position_uniforms`): verified with a tree of likely drafts or without one, the root's sample is the same
+    # token. Over requests of different seeds it follows the target distribution.
     rng = np.random.default_rng(3)
     prompt = _prompt(rng, 6)
     n_requests, rounds = 40, 8
-    ids = [_uid("samp") for _ in range(n_requests)]
-    roots = {}
     base = SamplingParams(temperature=1.0, top_k=4)
-    try:
-        for i, rid in enumerate(ids):
-            roots[rid] = engine.add_request(rid, prompt, SamplingParams(temperature=1.0, top_k=4, seed=1000 + i))
-        distinct = sorted(set(roots.values()))
-        target = dict(zip(distinct, (_filtered_probs(l[-1], base) for l in engine.debug_logits([prompt + [r] for r in distinct]))))
-        expected = sum(target[roots[rid]] for rid in ids) * rounds
-        support = np.nonzero(expected > 0)[0]
-        for with_tree in (False, True):
-            counts = np.zeros(VOCAB)
-            for _ in range(rounds):  # re-verify without commit: a fresh, independent draw each time
+    expected, counts = np.zeros(VOCAB), np.zeros(VOCAB)
+    for round_ in range(rounds):  # fresh seeds each round: independent draws
+        ids = [_uid("samp") for _ in range(n_requests)]
+        roots = {}
+        try:
+            for i, rid in enumerate(ids):
+                roots[rid] = engine.add_request(rid, prompt, SamplingParams(temperature=1.0, top_k=4,
+                                                                            seed=1000 + round_ * n_requests + i))
+            distinct = sorted(set(roots.values()))
+            target = dict(zip(distinct, (_filtered_probs(l[-1], base)
+                                         for l in engine.debug_logits([prompt + [r] for r in distinct]))))
+            expected += sum(target[roots[rid]] for rid in ids)
+            sampled = {}
+            for with_tree in (False, True):
                 items = []
                 for rid in ids:
                     top = np.argsort(-target[roots[rid]])[:3]  # speculate on likely tokens, plus a deeper node
-                    tree = DraftTree.from_arrays(tokens=[*top, 5], parents=[-1, -1, -1, 0]) if with_tree else DraftTree.empty()
+                    tree = (DraftTree.from_arrays(tokens=[*top, 5], parents=[-1, -1, -1, 0]) if with_tree
+                            else DraftTree.empty())
                     items.append(VerifyItem(rid, tree))
-                for res in engine.verify(items).results:
-                    counts[res.target_tokens[0]] += 1
-            assert counts[np.setdiff1d(np.arange(VOCAB), support)].sum() == 0, "sampled outside top_k"
-            chi2 = (((counts[support] - expected[support]) ** 2) / expected[support]).sum()
-            dof = len(support) - 1
-            p_value = torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(chi2 / 2.0)).item()
-            assert p_value > 1e-3, f"with_tree={with_tree}: chi2 {chi2:.1f} on {dof} dof, p {p_value:.2g}"
-    finally:
-        for rid in ids:
-            engine.release(rid)
+                sampled[with_tree] = [int(res.target_tokens[0]) for res in engine.verify(items).results]
+            assert sampled[True] == sampled[False]
+            for token in sampled[False]:
+                counts[token] += 1
+        finally:
+            for rid in ids:
+                engine.release(rid)
+    support = np.nonzero(expected > 0)[0]
+    assert counts[np.setdiff1d(np.arange(VOCAB), support)].sum() == 0, "sampled outside top_k"
+    chi2 = (((counts[support] - expected[support]) ** 2) / expected[support]).sum()
+    dof = len(support) - 1
+    p_value = torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(chi2 / 2.0)).item()
+    assert p_value > 1e-3, f"chi2 {chi2:.1f} on {dof} dof, p {p_value:.2g}"
 
 
 def test_seeded_sampling_is_reproducible(engine):

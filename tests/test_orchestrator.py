@@ -25,6 +25,7 @@ from orchestrator.request import FinishReason, GenerationRequest
 from orchestrator.roofline import HardwareSpec, ModelShape, StepTimeModel
 from orchestrator.runner import OrchestratorRunner
 from orchestrator.spec_loop import generate
+from trt_engines.base import SamplingParams
 from trt_engines.prepare import default_model_dir, is_complete
 
 pytestmark = pytest.mark.skipif(not is_complete(default_model_dir()), reason="default model not prepared")
@@ -112,6 +113,27 @@ def test_every_policy_gives_plain_greedy_output(engine, datastore, prompt_ids, r
         assert accepted > 0  # speculation actually happened, so the equality above means something
     else:
         assert accepted == 0 and all(n == 0 for rec in orchestrator.records for n in rec.nodes)
+
+
+def test_seeded_sampling_gives_plain_decodings_tokens_under_every_policy(engine, datastore, prompt_ids):
+    # The engine samples each position with a uniform of (seed, position): speculation returns the very tokens plain
+    # sampling does, not only their distribution, and a seeded request gives the same tokens again after its
+    # drafter has learnt from the first run (which changes its trees, and before, the draws the trees consumed).
+    requests = [GenerationRequest(prompt_ids=p, max_tokens=24, ignore_eos=True,
+                                  sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i))
+                for i, p in enumerate(prompt_ids)]
+    outputs = {}
+    for policy in ("none", "fixed:16", "goodput"):
+        orchestrator = make_orchestrator(engine, datastore, policy)
+        runs = [run_all(orchestrator, requests) for _ in range(2)]  # the second drafts from the first's history
+        outputs[policy] = [[r["tokens"] for r in results.values()] for results in runs]
+        accepted = sum(r["stats"].accepted for results in runs for r in results.values())
+        assert (accepted > 0) == (policy != "none")  # speculation happened, so equal outputs mean something
+    assert outputs["none"][0] == outputs["none"][1]
+    assert outputs["fixed:16"] == outputs["goodput"] == outputs["none"]
+    greedy = run_all(make_orchestrator(engine, datastore, "none"),
+                     [GenerationRequest(prompt_ids=p, max_tokens=24, ignore_eos=True) for p in prompt_ids])
+    assert [r["tokens"] for r in greedy.values()] != outputs["none"][0]  # these really were sampled
 
 
 def test_an_offline_batch_drains_losslessly(engine, datastore, prompt_ids, reference):

@@ -4,9 +4,10 @@ Vocabulary:
     context     the tokens whose keys/values are in the engine's KV cache for a request (`ctx_len` of them).
     root        the last accepted token. It is NOT cached yet: every `verify` feeds [root, tree nodes...] at positions
                 `ctx_len + [0, depth...]`, and `commit` caches the root plus the accepted path.
-    target token  the target model's choice at a verified position: argmax (greedy) or one sample drawn with the
-                request's own seeded generator. `target_tokens[0]` follows the root, `target_tokens[1 + i]` follows
-                node i.
+    target token  the target model's choice at a verified position: argmax (greedy) or a sample, drawn with a
+                uniform of the request's seed and that position alone (`TorchEngine`: `position_uniforms`), so the
+                same position samples the same token in any tree and any batch, as plain decoding does.
+                `target_tokens[0]` follows the root, `target_tokens[1 + i]` follows node i.
     bonus token the target token at the last accepted node (or at the root when nothing is accepted); it becomes the
                 next root.
 
@@ -61,7 +62,8 @@ def check_cpu_kernels(value: str) -> None:
 class SamplingParams:
     """How a request picks target tokens. temperature 0 = greedy (argmax); otherwise softmax(logits / temperature)
     restricted to the `top_k` most likely tokens (0 = all) and then to the smallest top set whose mass reaches
-    `top_p`. `seed` seeds the request's own generator (None = a random seed), so seeded runs are reproducible."""
+    `top_p`. `seed` (None = a random one) fixes the draw at every position of the output: a seeded request samples
+    the same tokens again, with speculation or without."""
 
     temperature: float = 0.0
     top_p: float = 1.0

@@ -65,6 +65,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import secrets
 import time
 import warnings
 from collections.abc import KeysView
@@ -102,7 +103,7 @@ from trt_engines.prepare import resolve_model_dir
 @dataclass
 class _Request:
     sampling: SamplingParams
-    generator: torch.Generator | None  # None for greedy requests
+    seed: int | None  # the sampling seed (`sample_tokens`); None for greedy requests
     ctx_len: int  # tokens whose K/V are cached
     root: int  # last accepted token, not cached yet
     pending: DraftTree | None = None  # tree of the last verify, until commit
@@ -326,8 +327,38 @@ def greedy_tokens(logits: Tensor) -> np.ndarray:
     return logits.argmax(dim=-1).to(torch.int32).cpu().numpy()
 
 
-def sample_tokens(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> Tensor:
-    """One independent target token per row of `logits` [R, V] (fp32): argmax, or a draw from the filtered softmax."""
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mixed(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser over uint64s (wrapping arithmetic): every output bit depends on every input bit."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def position_uniforms(seed: int, positions: np.ndarray) -> np.ndarray:
+    """The uniform in [0, 1) that a request with sampling seed `seed` samples the token at each of `positions` with:
+    a hash of (seed, position), 53 bits (float64). A function of the two alone, so the token sampled at a position
+    depends on the target's distribution there and on nothing else: not on how many other rows a step verifies, nor
+    on which draft tree, nor on how many draws earlier steps took (`sample_tokens`)."""
+    key = _mixed(np.array([seed], np.uint64) + _GOLDEN)
+    mixed = _mixed(key + (np.asarray(positions, np.uint64) + np.uint64(1)) * _GOLDEN)
+    return (mixed >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+
+
+def sample_tokens(logits: Tensor, params: SamplingParams, seed: int | None, positions: np.ndarray) -> Tensor:
+    """One target token per row of `logits` [R, V] (fp32): argmax, or a draw from the filtered softmax, row r
+    sampling the token at `positions[r]` by inverting its distribution's CDF at `position_uniforms(seed, ...)`.
+
+    The draw at a position is thus fixed by the request's seed and the distribution there. In a draft tree every
+    node at one depth samples the same position with the same uniform, and the accepted path's prefix is what plain
+    decoding would have sampled, so speculation returns plain decoding's very tokens, not only their distribution;
+    and a seeded request is reproducible whatever drafts its steps verified (a stream of draws shared by all of a
+    request's rows was consumed faster or slower with the tree sizes, so a second request with the same seed, whose
+    drafter had learnt from the first, sampled other tokens). Each token is still an exact draw from the target's
+    distribution: the uniforms of one request's positions are independent, and unseeded requests draw their seed at
+    random."""
     if params.greedy:
         return torch.from_numpy(greedy_tokens(logits))
     logits = logits / params.temperature
@@ -340,7 +371,11 @@ def sample_tokens(logits: Tensor, params: SamplingParams, generator: torch.Gener
         drop = probs.cumsum(dim=-1) - probs >= params.top_p  # mass before this token already reaches top_p
         drop[:, 0] = False
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, -math.inf))
-    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)[:, 0]
+    cdf = logits.softmax(dim=-1).double().cumsum(dim=-1)
+    uniforms = torch.from_numpy(position_uniforms(seed, positions)).to(cdf.device)
+    # the first token whose cumulative mass passes u times the total: one with mass > 0, as the CDF rises there
+    tokens = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(-1), right=True)[:, 0]
+    return torch.minimum(tokens, (cdf < cdf[:, -1:]).sum(dim=-1))  # a rounding at the very top: the last such token
 
 
 class TorchEngine:
@@ -519,15 +554,11 @@ class TorchEngine:
                 request_id, f"prompt needs {need} KV blocks, {self.kv.free_after_attach(cached)} free: retry after "
                 "other requests finish"
             )
-        generator = None
+        seed = None
         if not sampling.greedy:
-            generator = torch.Generator(device=self.device)
-            if sampling.seed is None:
-                generator.seed()
-            else:
-                generator.manual_seed(sampling.seed)
+            seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         start = len(cached) * self.kv.block_size
-        req = _Request(sampling=sampling, generator=generator, ctx_len=start, root=-1, cached_prompt=start,
+        req = _Request(sampling=sampling, seed=seed, ctx_len=start, root=-1, cached_prompt=start,
                        cache_salt=cache_salt, committed=[prompt] if self.prefix_caching else None, prompt=prompt)
         self._requests[request_id] = req
         try:
@@ -574,7 +605,7 @@ class TorchEngine:
             self.kv.publish(request_id, prompt, end, salt=req.cache_salt)
             return None
         logits = self.model.logits(hidden[-1:])
-        req.root = int(sample_tokens(logits, req.sampling, req.generator)[0])
+        req.root = int(sample_tokens(logits, req.sampling, req.seed, np.array([end]))[0])
         req.ctx_len, req.prompt = end, None
         self.kv.publish(request_id, prompt, end, salt=req.cache_salt)
         return req.root
@@ -750,8 +781,8 @@ class TorchEngine:
             for kind in (0, 1):
                 flat = self.kv.flat(layer, kind)
                 flat[:, idx] = torch.randn(flat.shape[0], ctx_len, flat.shape[2], device=self.device).to(flat.dtype)
-        gen = None if sampling.greedy else torch.Generator(device=self.device).manual_seed(sampling.seed or 0)
-        self._requests[request_id] = _Request(sampling=sampling, generator=gen, ctx_len=ctx_len, root=int(root))
+        seed = None if sampling.greedy else sampling.seed or 0
+        self._requests[request_id] = _Request(sampling=sampling, seed=seed, ctx_len=ctx_len, root=int(root))
 
     # ---- internals ------------------------------------------------------------------------------------------
 
@@ -800,9 +831,10 @@ class TorchEngine:
         if all(r.sampling.greedy for r in requests):
             return np.split(greedy_tokens(logits), np.cumsum(sizes)[:-1])
         out = []
-        for rows, req in zip(logits.split(sizes), requests):
+        for rows, req, segment in zip(logits.split(sizes), requests, segments):
             if req.sampling.greedy:
                 out.append(greedy_tokens(rows))
-            else:
-                out.append(sample_tokens(rows, req.sampling, req.generator).to(torch.int32).cpu().numpy())
+            else:  # row r predicts the token after position r: it samples position r + 1
+                out.append(sample_tokens(rows, req.sampling, req.seed, segment.positions + 1).to(torch.int32)
+                           .cpu().numpy())
         return out
