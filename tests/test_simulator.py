@@ -192,7 +192,7 @@ def test_cli_errors_name_the_fix(capsys, tmp_path):
                           (["--prompts", "0"], "--prompts must be >= 1"), (["--max-tokens", "0"], "max_tokens must"),
                           (["--concurrency", "4", "0"], "concurrency (requests running at once) must be >= 1"),
                           (["--rates", "-1"], "rate must be > 0"),
-                          (["--rates", "1", "--max-running", "0"], "concurrency (requests running at once)")):
+                          (["--rates", "1", "--max-running", "0"], "--max-running must be >= 1")):
         with pytest.raises(SystemExit):
             simulate_main([*argv, "--prompts", argv[1] if argv[0] == "--prompts" else "2"])
         assert message in capsys.readouterr().err, argv

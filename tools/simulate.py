@@ -378,6 +378,9 @@ def main(argv: list[str] | None = None) -> int:
         deployment.step_model().predict(np.ones(1), np.zeros(1))  # fails fast on a dtype the device lacks
         if args.prompts < 1:
             raise ValueError(f"--prompts must be >= 1 (requests per prompt set); got {args.prompts}")
+        if args.max_running < 1:  # `Workload` would name it as a concurrency, the closed loop's word for it
+            raise ValueError(f"--max-running must be >= 1 (requests running at once under --rates or --trace); got "
+                             f"{args.max_running}")
         trajectories = load_prompt_trajectories(args.sets, args.prompts)
         n = len(trajectories)
         traced = None if not args.trace else trace_arrivals(args.trace, n)  # read before any simulation runs
