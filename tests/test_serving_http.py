@@ -185,6 +185,20 @@ def test_chat_reads_text_parts_and_replies_to_eos_without_max_tokens(server):
     assert reply["choices"][0]["finish_reason"] == "stop" and reply["usage"]["completion_tokens"] > 16
 
 
+def test_a_seeded_sampled_completion_returns_the_same_tokens_again(server):
+    # Each position is sampled with a uniform of (seed, position): the second and third requests draft from the
+    # first one's output (the output history), verify other trees, and still sample the same tokens. Before, the
+    # draws followed the tree sizes and a repeated seeded request came back different after a few tokens.
+    url, stack = server["url"], server["stack"]
+    body = completion(PROMPTS[2], temperature=0.8, top_p=0.95, seed=11, ignore_eos=True)
+    with httpx.Client(base_url=url, timeout=60) as client:
+        answers = [client.post("/v1/completions", json=body).json() for _ in range(3)]
+    tokens = [a["choices"][0]["token_ids"] for a in answers]
+    assert len(tokens[0]) == MAX_TOKENS and tokens[1] == tokens[0] and tokens[2] == tokens[0]
+    assert all(a["choices"][0]["text"] == stack.tokenizer.decode(tokens[0]) for a in answers)
+    assert sum(a["retrospec"]["accepted_tokens"] for a in answers) > 0  # speculation took part
+
+
 def test_client_disconnect_mid_stream_cancels_and_frees_kv(server):
     stack = server["stack"]
     with httpx.Client(base_url=server["url"], timeout=60) as client:
@@ -294,16 +308,3 @@ def test_graceful_shutdown_finishes_inflight_and_refuses_new(server):
     assert httpx.get(server["url"] + "/health").status_code == 503
     assert stack.engine.free_blocks() == stack.engine.total_blocks()
 
-
-def test_a_seeded_sampled_completion_returns_the_same_tokens_again(server):
-    # Each position is sampled with a uniform of (seed, position): the second and third requests draft from the
-    # first one's output (the output history), verify other trees, and still sample the same tokens. Before, the
-    # draws followed the tree sizes and a repeated seeded request came back different after a few tokens.
-    url, stack = server["url"], server["stack"]
-    body = completion(PROMPTS[2], temperature=0.8, top_p=0.95, seed=11, ignore_eos=True)
-    with httpx.Client(base_url=url, timeout=60) as client:
-        answers = [client.post("/v1/completions", json=body).json() for _ in range(3)]
-    tokens = [a["choices"][0]["token_ids"] for a in answers]
-    assert len(tokens[0]) == MAX_TOKENS and tokens[1] == tokens[0] and tokens[2] == tokens[0]
-    assert all(a["choices"][0]["text"] == stack.tokenizer.decode(tokens[0]) for a in answers)
-    assert sum(a["retrospec"]["accepted_tokens"] for a in answers) > 0  # speculation took part
