@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from enum import Enum
 
-from trt_engines.base import SamplingParams
+from trt_engines.base import InvalidField, SamplingParams
 
 
 class FinishReason(str, Enum):
@@ -31,15 +31,16 @@ class GenerationRequest:
 
     def __post_init__(self) -> None:
         if len(self.prompt_ids) == 0:
-            raise ValueError("the prompt is empty: send at least one token (or non-empty text)")
+            raise InvalidField("prompt_ids", "the prompt is empty: send at least one token (or non-empty text)")
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1; got {self.max_tokens!r}")
+            raise InvalidField("max_tokens", f"max_tokens must be an integer >= 1; got {self.max_tokens!r}")
         if self.tpot_s is not None and not (math.isfinite(self.tpot_s) and self.tpot_s > 0):
-            raise ValueError(f"tpot objective must be a positive number of seconds; got {self.tpot_s!r}")
+            raise InvalidField("tpot_s", f"tpot objective must be a positive number of seconds; got {self.tpot_s!r}")
         if any(not s for s in self.stop_strings):
-            raise ValueError("stop strings must be non-empty")
+            raise InvalidField("stop_strings", "stop strings must be non-empty")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
-            raise ValueError(f"cache_salt must be a non-empty string (or None); got {self.cache_salt!r}")
+            raise InvalidField("cache_salt",
+                               f"cache_salt must be a non-empty string (or None); got {self.cache_salt!r}")
 
 
 @dataclass

@@ -110,38 +110,50 @@ def test_models_health_completions_chat_and_metrics(server):
         assert name in metrics
 
 
-BAD = [
-    ("malformed json", b"{not json", 400, "not valid JSON"),
-    ("empty prompt", completion(""), 400, "prompt is empty"),
-    ("negative max_tokens", completion("hi", max_tokens=-3), 400, "max_tokens"),
-    ("huge max_tokens", completion("hi", max_tokens=10**9), 400, "max_tokens"),
-    ("prompt longer than context", completion([5] * 600), 400, "context"),
-    ("bad temperature", completion("hi", temperature=-1), 400, "temperature"),
-    ("bad top_p", completion("hi", top_p=2.0), 400, "top_p"),
-    ("token id out of vocab", completion([1, 10**7]), 400, "token ids"),
-    ("unknown model", completion("hi", model="gpt-4"), 404, "does not exist"),
-    ("oversized body", completion("x" * 100_000), 413, "limit"),
-    ("unknown field", completion("hi", frobnicate=1), 400, "unknown field"),
-    ("bad cache_salt", completion("hi", cache_salt=5), 400, "cache_salt"),
-    ("chat without messages", {"model": "retrospec", "messages": []}, 400, "messages"),
+BAD = [  # (case, body, status, a phrase of the message, OpenAI's `param`: the request field at fault)
+    ("malformed json", b"{not json", 400, "not valid JSON", None),
+    ("empty prompt", completion(""), 400, "prompt is empty", "prompt"),
+    ("negative max_tokens", completion("hi", max_tokens=-3), 400, "max_tokens", "max_tokens"),
+    ("huge max_tokens", completion("hi", max_tokens=10**9), 400, "max_tokens", "max_tokens"),
+    ("prompt longer than context", completion([5] * 600), 400, "context", "prompt"),
+    ("bad temperature", completion("hi", temperature=-1), 400, "temperature", "temperature"),
+    ("bad top_p", completion("hi", top_p=2.0), 400, "top_p", "top_p"),
+    ("token id out of vocab", completion([1, 10**7]), 400, "token ids", "prompt"),
+    ("unknown model", completion("hi", model="gpt-4"), 404, "does not exist", "model"),
+    ("oversized body", completion("x" * 100_000), 413, "limit", None),
+    ("unknown field", completion("hi", frobnicate=1), 400, "unknown field", "frobnicate"),
+    ("bad cache_salt", completion("hi", cache_salt=5), 400, "cache_salt", "cache_salt"),
+    ("chat without messages", {"model": "retrospec", "messages": []}, 400, "messages", "messages"),
     ("chat image part", {"model": "retrospec", "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]}, 400, "text part"),
-    ("chat tool role", {"model": "retrospec", "messages": [{"role": "tool", "content": "42"}]}, 400, "role"),
+        {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]}, 400, "text part", "messages"),
+    ("chat tool role", {"model": "retrospec", "messages": [{"role": "tool", "content": "42"}]}, 400, "role",
+     "messages"),
     # fields OpenAI defines that this server cannot honour: refused, never silently ignored
-    ("logprobs asked for", completion("hi", logprobs=2), 400, "logprobs"),
-    ("logprobs of the chosen tokens", completion("hi", logprobs=0), 400, "logprobs"),
-    ("echo", completion("hi", echo=True), 400, "echo"),
-    ("presence penalty", completion("hi", presence_penalty=0.5), 400, "presence_penalty"),
-    ("frequency penalty", completion("hi", frequency_penalty=-1), 400, "frequency_penalty"),
-    ("stream not a boolean", completion("hi", stream="yes"), 400, "stream"),
-    ("ignore_eos not a boolean", completion("hi", ignore_eos="no"), 400, "ignore_eos"),
-    ("n of two", completion("hi", n=2), 400, "n=1"),
+    ("logprobs asked for", completion("hi", logprobs=2), 400, "logprobs", "logprobs"),
+    ("logprobs of the chosen tokens", completion("hi", logprobs=0), 400, "logprobs", "logprobs"),
+    ("echo", completion("hi", echo=True), 400, "echo", "echo"),
+    ("presence penalty", completion("hi", presence_penalty=0.5), 400, "presence_penalty", "presence_penalty"),
+    ("frequency penalty", completion("hi", frequency_penalty=-1), 400, "frequency_penalty", "frequency_penalty"),
+    ("stream not a boolean", completion("hi", stream="yes"), 400, "stream", "stream"),
+    ("ignore_eos not a boolean", completion("hi", ignore_eos="no"), 400, "ignore_eos", "ignore_eos"),
+    ("n of two", completion("hi", n=2), 400, "n=1", "n"),
+    # a field of the wrong type is the client's error (a number as `stop` was a 500, an object's keys were stops)
+    ("stop a number", completion("hi", stop=5), 400, "stop must be", "stop"),
+    ("stop an object", completion("hi", stop={"a": 1}), 400, "stop must be", "stop"),
+    ("seed not an integer", completion("hi", seed="7"), 400, "seed", "seed"),
+    ("max_completion_tokens of zero", completion("hi", max_completion_tokens=0), 400, "max_tokens",
+     "max_completion_tokens"),
+    ("negative tpot_ms", completion("hi", tpot_ms=-5), 400, "tpot", "tpot_ms"),
+    ("stream_options without stream", completion("hi", stream_options={"include_usage": True}), 400, "stream: true",
+     "stream_options"),
+    ("stream_options unknown key", completion("hi", stream=True, stream_options={"include_usag": True}), 400,
+     "include_usage", "stream_options"),
 ]
 
 
 @pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
 def test_bad_input_gets_a_clear_4xx_and_the_server_keeps_serving(server, case):
-    _, payload, status, needle = case
+    _, payload, status, needle, param = case
     path = "/v1/chat/completions" if "messages" in (payload if isinstance(payload, dict) else {}) else "/v1/completions"
     with httpx.Client(base_url=server["url"], timeout=60) as client:
         content = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
@@ -149,6 +161,7 @@ def test_bad_input_gets_a_clear_4xx_and_the_server_keeps_serving(server, case):
         assert response.status_code == status
         error = response.json()["error"]
         assert needle.lower() in error["message"].lower() and error["type"]
+        assert error["param"] == param
         good = client.post("/v1/completions", json=completion(server["prompts"][1]))
         assert good.status_code == 200 and good.json()["choices"][0]["token_ids"] == server["reference"][1]
     stack = server["stack"]
@@ -252,6 +265,31 @@ def test_a_request_the_engine_refuses_mid_generation_is_a_server_error_and_the_s
     assert wait_until(lambda: stack.engine.free_blocks() == stack.engine.total_blocks())
     metrics = httpx.get(server["url"] + "/metrics").text
     assert 'retrospec_requests_total{finish_reason="error",frontend="http"} 2.0' in metrics
+
+
+def _events(client: httpx.Client, body: dict) -> list[dict]:
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[6:]) for line in lines[:-1]]
+
+
+def test_a_stream_reports_usage_as_its_stream_options_ask(server):
+    # OpenAI's include_usage: every chunk has usage null, and a last chunk without choices carries the usage; a
+    # plain stream carries it on its last chunk, beside the choice.
+    reference = server["reference"][0]
+    body = completion(server["prompts"][0], stream=True)
+    with httpx.Client(base_url=server["url"], timeout=60) as client:
+        asked = _events(client, body | {"stream_options": {"include_usage": True}})
+        plain = _events(client, body)
+    *content, totals = asked
+    assert all(chunk["usage"] is None and len(chunk["choices"]) == 1 for chunk in content)
+    assert [t for chunk in content for t in chunk["choices"][0]["token_ids"]] == reference
+    assert totals["choices"] == [] and totals["usage"]["completion_tokens"] == len(reference)
+    assert totals["usage"]["prompt_tokens"] == len(server["prompts"][0]) and totals["retrospec"]["steps"] >= 1
+    assert [t for chunk in plain for t in chunk["choices"][0]["token_ids"]] == reference
+    assert "usage" not in plain[0] and plain[-1]["usage"] == totals["usage"]
 
 
 async def _stream_one(client: httpx.AsyncClient, prompt: list[int]) -> tuple[list[int], str]:

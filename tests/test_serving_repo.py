@@ -155,6 +155,11 @@ def test_exported_repository_serves_in_the_bundled_stock_tritonserver(tmp_path):
                                                  tensor("input_ids", np.array(prompt * 3, np.int32)),
                                                  tensor("budget", np.array([8], np.int32))])
         assert len(draft.as_numpy("draft_tokens")) == len(draft.as_numpy("draft_parents"))
+        from tritonclient.utils import InferenceServerException  # the same input checks as `retrospec serve --triton`
+
+        with pytest.raises(InferenceServerException, match="request_id must be UTF-8"):
+            client.infer("retrospec_draft", [tensor("request_id", np.array([b"\xff"], np.object_)),
+                                             tensor("input_ids", np.array(prompt, np.int32))])
         client.close()
     finally:
         server.terminate()

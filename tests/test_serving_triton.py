@@ -139,6 +139,10 @@ def test_draft_service_matches_a_fresh_drafter_and_releases_state(server):
             call("c2", prompt, budget=10_000)
         with pytest.raises(InferenceServerException, match="first call"):
             call("c3", np.zeros(0, np.int32))
+        with pytest.raises(InferenceServerException, match="request_id must be UTF-8"):
+            client.infer("retrospec_draft", [
+                tensor(httpclient, "request_id", np.array([b"\xff"], np.object_)),
+                tensor(httpclient, "input_ids", prompt)])
     finally:
         client.close()
 
@@ -159,6 +163,11 @@ def _bad_cases(server):
         ("bad top_p", {**good, "top_p": np.array([3.0], np.float32)}, "top_p"),
         ("oversized text", {"text_input": np.array([b"x" * 100_000], np.object_)}, "limit"),
         ("empty cache_salt", {**good, "cache_salt": np.array([b""], np.object_)}, "cache_salt"),
+        # bytes that are not UTF-8 are refused, not read with replacement characters (two tenants' salts could
+        # then read alike), and a negative TPOT objective is not taken for none
+        ("cache_salt not UTF-8", {**good, "cache_salt": np.array([b"\xff\xfe"], np.object_)}, "cache_salt"),
+        ("stop not UTF-8", {**good, "stop": np.array([b"\xff"], np.object_)}, "stop"),
+        ("negative tpot_ms", {**good, "tpot_ms": np.array([-5.0], np.float32)}, "tpot_ms"),
     ]
 
 
@@ -168,6 +177,7 @@ def test_bad_input_gets_a_clear_error_and_the_server_keeps_serving(server):
         out = stream_generate(url, inputs)
         assert out["error"] is not None, name
         assert needle.lower() in str(out["error"]).lower(), (name, str(out["error"]))
+        assert "Traceback" not in str(out["error"]), (name, str(out["error"]))  # the message, not the server's stack
     client = grpcclient.InferenceServerClient(url)
     with pytest.raises(InferenceServerException, match="unknown_model|not found|unavailable"):
         client.infer("unknown_model", [tensor(grpcclient, "input_ids", np.array([1, 2], np.int32))])

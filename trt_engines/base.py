@@ -43,6 +43,15 @@ class RequestError(ValueError):
         super().__init__(f"request {request_id!r}: {problem}")
 
 
+class InvalidField(ValueError):
+    """A request field with a value no engine can serve; `field` names it (the HTTP API reports it as OpenAI's
+    `param`)."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        super().__init__(message)
+
+
 class KVCacheFullError(RequestError):
     """Not enough free KV blocks for this request right now; retry after other requests are released."""
 
@@ -72,13 +81,14 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy); got {self.temperature!r}")
+            raise InvalidField("temperature",
+                               f"temperature must be a finite number >= 0 (0 = greedy); got {self.temperature!r}")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
-            raise ValueError(f"top_p must lie in (0, 1] (1 = no nucleus cut); got {self.top_p!r}")
+            raise InvalidField("top_p", f"top_p must lie in (0, 1] (1 = no nucleus cut); got {self.top_p!r}")
         if not (isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= 0):
-            raise ValueError(f"top_k must be an int >= 0 (0 = no top-k cut); got {self.top_k!r}")
+            raise InvalidField("top_k", f"top_k must be an int >= 0 (0 = no top-k cut); got {self.top_k!r}")
         if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
-            raise ValueError(f"seed must be None or an int in [0, 2**63); got {self.seed!r}")
+            raise InvalidField("seed", f"seed must be None or an int in [0, 2**63); got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:

@@ -1,8 +1,8 @@
 """OpenAI-compatible HTTP API (FastAPI): `/v1/completions`, `/v1/chat/completions` (server-sent events when
 `stream` is true), `/v1/models`, `/health`, `/metrics` (Prometheus text).
 
-Bad input gets a 4xx with OpenAI's error shape, `{"error": {"message", "type", "param", "code"}}`, and damages
-nothing else. Extensions beyond OpenAI's fields: `top_k`, `ignore_eos`, `tpot_ms` (the request's time-per-output-
+Bad input gets a 4xx with OpenAI's error shape, `{"error": {"message", "type", "param", "code"}}` (`param`: the
+field at fault), and damages nothing else. `stream_options.include_usage` gives OpenAI's stream shape (`_sse`). Extensions beyond OpenAI's fields: `top_k`, `ignore_eos`, `tpot_ms` (the request's time-per-output-
 token objective) and `cache_salt` (vLLM's: requests share cached prompt prefixes only with the same salt) in
 requests; `token_ids` per choice and a `retrospec` object with speculation statistics (steps, accepted draft tokens,
 tokens per step) in responses, and `usage.prompt_tokens_details.cached_tokens` as OpenAI reports it. Like OpenAI,
@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from orchestrator.request import FinishReason, GenerationRequest, RequestOutput
 from orchestrator.serving.stack import ServingStack
+from trt_engines.base import InvalidField
 
 _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.CANCELLED: "abort"}
 _FIELDS = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
@@ -166,6 +167,37 @@ def _check_fields(body: dict) -> None:
             raise ApiError(400, f"{name}={value!r} cannot be honoured: {why}; {fix}", param=name)
     if body.get("n", 1) not in (1, None) or isinstance(body.get("n"), bool):
         raise ApiError(400, "only n=1 is supported", param="n")
+    _include_usage(body)
+
+
+def _include_usage(body: dict) -> bool:
+    """`stream_options.include_usage`: OpenAI's only stream option, allowed (as OpenAI and vLLM have it) only with
+    `stream: true`."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not body.get("stream"):
+        raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise ApiError(400, f"stream_options must be an object with the one key include_usage; got {options!r}",
+                       param="stream_options")
+    include = options.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise ApiError(400, f"stream_options.include_usage must be true or false; got {include!r}",
+                       param="stream_options")
+    return include
+
+
+# `InvalidField.field` (what the stack's request building calls a field) -> the request field a client sent
+_PARAMS = {"prompt_ids": "prompt", "tpot_s": "tpot_ms", "stop_strings": "stop"}
+
+
+def _param(field: str, body: dict, *, chat: bool) -> str:
+    if field in ("prompt", "prompt_ids"):
+        return "messages" if chat else "prompt"
+    if field == "max_tokens" and body.get("max_completion_tokens") is not None:
+        return "max_completion_tokens"
+    return _PARAMS.get(field, field)
 
 
 def _max_tokens(body: dict, *, chat: bool) -> int | None:
@@ -180,8 +212,9 @@ def _max_tokens(body: dict, *, chat: bool) -> int | None:
 def _build(stack: ServingStack, body: dict, *, chat: bool, **prompt) -> GenerationRequest:
     _check_fields(body)
     tpot_ms = body.get("tpot_ms")
-    if tpot_ms is not None and (isinstance(tpot_ms, bool) or not isinstance(tpot_ms, (int, float))):
-        raise ApiError(400, f"tpot_ms must be a number of milliseconds; got {tpot_ms!r}", param="tpot_ms")
+    if tpot_ms is not None and (isinstance(tpot_ms, bool) or not isinstance(tpot_ms, (int, float)) or
+                                not tpot_ms > 0):
+        raise ApiError(400, f"tpot_ms must be a positive number of milliseconds; got {tpot_ms!r}", param="tpot_ms")
     stop = body.get("stop") or ()
     try:
         return stack.make_request(
@@ -197,7 +230,8 @@ def _build(stack: ServingStack, body: dict, *, chat: bool, **prompt) -> Generati
             cache_salt=body.get("cache_salt"),
         )
     except ValueError as exc:
-        raise ApiError(400, str(exc)) from None
+        field = exc.field if isinstance(exc, InvalidField) else None
+        raise ApiError(400, str(exc), param=field and _param(field, body, chat=chat)) from None
 
 
 async def _respond(stack: ServingStack, body: dict, gen: GenerationRequest, *, chat: bool) -> Response:
@@ -221,7 +255,8 @@ async def _respond(stack: ServingStack, body: dict, gen: GenerationRequest, *, c
                 yield out
 
     if body.get("stream"):
-        return StreamingResponse(_sse_closing(all_outputs(), rid, created, model, gen, chat=chat),
+        return StreamingResponse(_sse_closing(all_outputs(), rid, created, model, gen, chat=chat,
+                                              include_usage=_include_usage(body)),
                                  media_type="text/event-stream")
     tokens: list[int] = []
     text = ""
@@ -252,7 +287,10 @@ def _error_kind(out: RequestOutput) -> str:
 
 
 async def _sse(outputs: AsyncIterator[RequestOutput], rid: str, created: int, model: str, gen: GenerationRequest,
-               *, chat: bool) -> AsyncIterator[bytes]:
+               *, chat: bool, include_usage: bool) -> AsyncIterator[bytes]:
+    """The stream's events. With `include_usage`, OpenAI's shape: every chunk has `usage: null`, and one more chunk
+    with no choices carries the usage (and the `retrospec` statistics) before `[DONE]`; without it, the last chunk
+    carries them beside its choice."""
     kind = "chat.completion.chunk" if chat else "text_completion"
     count = 0
     first = True
@@ -270,11 +308,16 @@ async def _sse(outputs: AsyncIterator[RequestOutput], rid: str, created: int, mo
         else:
             choice.update(text=out.text, logprobs=None)
         chunk = {"id": rid, "object": kind, "created": created, "model": model, "choices": [choice]}
-        if out.finished:
-            chunk["usage"] = _usage(gen, count, out)
-            chunk["retrospec"] = _stats(out)
+        totals = {"usage": _usage(gen, count, out), "retrospec": _stats(out)} if out.finished else None
+        if include_usage:
+            chunk["usage"] = None
+        elif totals:
+            chunk |= totals
         first = False
         yield f"data: {json.dumps(chunk)}\n\n".encode()
+        if include_usage and totals:
+            usage_chunk = {"id": rid, "object": kind, "created": created, "model": model, "choices": []} | totals
+            yield f"data: {json.dumps(usage_chunk)}\n\n".encode()
     yield b"data: [DONE]\n\n"
 
 

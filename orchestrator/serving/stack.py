@@ -30,7 +30,7 @@ from orchestrator.request import GenerationRequest, RequestOutput
 from orchestrator.roofline import HardwareSpec, ModelShape, StepTimeModel, hardware
 from orchestrator.runner import OrchestratorRunner
 from orchestrator.serving.metrics import ServingMetrics
-from trt_engines.base import SamplingParams, check_cpu_kernels
+from trt_engines.base import InvalidField, SamplingParams, check_cpu_kernels
 
 # A deliberately rough CPU roofline for when no profile is wanted (tests): the online refit corrects it.
 NOMINAL_CPU = HardwareSpec("nominal-cpu", {"float32": 1e11, "bfloat16": 3e11}, mem_bandwidth=2e10, overhead_s=5e-3)
@@ -245,45 +245,47 @@ class ServingStack:
         ignore_eos: bool = False,
         cache_salt: str | None = None,
     ) -> GenerationRequest:
-        """Validate wire-level fields and build a request; ValueError names the bad field and the fix.
-        `max_tokens=None`: as many as the model's context holds after the prompt."""
+        """Validate wire-level fields and build a request; the `InvalidField` (a ValueError) names the bad field and
+        the fix. `max_tokens=None`: as many as the model's context holds after the prompt."""
         if (text is None) == (prompt_ids is None):
-            raise ValueError("send exactly one of a text prompt or prompt token ids")
+            raise InvalidField("prompt", "send exactly one of a text prompt or prompt token ids")
         if text is not None:
             if not isinstance(text, str):
-                raise ValueError(f"the prompt must be a string; got {type(text).__name__}")
+                raise InvalidField("prompt", f"the prompt must be a string; got {type(text).__name__}")
             ids = self.encode(text)
         else:
             arr = np.asarray(prompt_ids)
             if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
-                raise ValueError("prompt token ids must be a flat list of integers")
+                raise InvalidField("prompt", "prompt token ids must be a flat list of integers")
             ids = [int(t) for t in arr]
         if not ids:
-            raise ValueError("the prompt is empty: send at least one token (or non-empty text)")
+            raise InvalidField("prompt", "the prompt is empty: send at least one token (or non-empty text)")
         vocab = self.engine.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
-            raise ValueError(f"prompt token ids must lie in [0, {vocab}); got {min(ids)}..{max(ids)}")
+            raise InvalidField("prompt", f"prompt token ids must lie in [0, {vocab}); got {min(ids)}..{max(ids)}")
         if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer))
                                        or max_tokens < 1):
-            raise ValueError(f"max_tokens must be an integer >= 1; got {max_tokens!r}")
+            raise InvalidField("max_tokens", f"max_tokens must be an integer >= 1; got {max_tokens!r}")
         limit = self.engine.max_context - len(ids)
         if limit < 1:
-            raise ValueError(f"the prompt has {len(ids)} tokens; the model context is {self.engine.max_context}: "
-                             "shorten the prompt")
+            raise InvalidField("prompt", f"the prompt has {len(ids)} tokens; the model context is "
+                                         f"{self.engine.max_context}: shorten the prompt")
         if max_tokens is None:
             max_tokens = limit
         if max_tokens > limit:
-            raise ValueError(f"max_tokens={max_tokens} is too large: prompt ({len(ids)} tokens) + max_tokens must fit "
-                             f"the context of {self.engine.max_context}; use max_tokens <= {limit}")
+            raise InvalidField("max_tokens", f"max_tokens={max_tokens} is too large: prompt ({len(ids)} tokens) + "
+                                             f"max_tokens must fit the context of {self.engine.max_context}; use "
+                                             f"max_tokens <= {limit}")
         if isinstance(stop, str):
             stop = (stop,)
-        if not all(isinstance(s, str) for s in stop):
-            raise ValueError("stop must be a string or a list of strings")
+        # a dict or a set would iterate (keys, in no set order) and a number not at all
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            raise InvalidField("stop", f"stop must be a string or a list of strings; got {stop!r}")
         sampling = SamplingParams(temperature=_number(temperature, "temperature"), top_p=_number(top_p, "top_p"),
                                   top_k=_integer(top_k, "top_k"), seed=None if seed is None else _integer(seed, "seed"))
         return GenerationRequest(prompt_ids=tuple(ids), max_tokens=int(max_tokens), sampling=sampling,
                                  stop_strings=tuple(stop), ignore_eos=bool(ignore_eos),
-                                 tpot_s=None if tpot_s is None else _number(tpot_s, "tpot objective"),
+                                 tpot_s=None if tpot_s is None else _number(tpot_s, "tpot_s"),
                                  cache_salt=cache_salt)
 
     # -- generation -------------------------------------------------------------------------------------------------
@@ -370,11 +372,11 @@ def _chat_text(message: dict, i: int) -> str:
 
 def _number(value, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise ValueError(f"{name} must be a number; got {value!r}")
+        raise InvalidField(name, f"{name} must be a number; got {value!r}")
     return float(value)
 
 
 def _integer(value, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an integer; got {value!r}")
+        raise InvalidField(name, f"{name} must be an integer; got {value!r}")
     return int(value)

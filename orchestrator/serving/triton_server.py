@@ -149,19 +149,18 @@ class GenerateModel:
         if text is not None:
             if len(text) > limit:
                 raise ValueError(f"text_input has {len(text)} bytes; the limit is {limit} (--max-body-bytes)")
-            try:
-                text = text.decode("utf-8")
-            except UnicodeDecodeError:
-                raise ValueError("text_input must be UTF-8 text") from None
+            text = _utf8(text, "text_input")
         elif ids.ndim != 1:
             raise ValueError(f"input_ids must be 1-D INT32[-1]; got shape {list(ids.shape)}")
         stop = req.data.get("stop")
-        stops = [] if stop is None else [s.decode("utf-8", "replace") if isinstance(s, bytes) else str(s)
-                                         for s in stop.reshape(-1)]
+        stops = [] if stop is None else [_utf8(s, "stop") for s in stop.reshape(-1)]
         tpot_ms = _scalar(req, "tpot_ms")
+        if tpot_ms is not None and not (float(tpot_ms) >= 0):  # NaN too; 0 is the default: no objective
+            raise ValueError(f"tpot_ms must be a number of milliseconds >= 0 (0: no objective); got {tpot_ms!r}")
         seed = _scalar(req, "seed")
         salt = _scalar(req, "cache_salt")
-        salt = salt.decode("utf-8", "replace") if isinstance(salt, bytes) else salt
+        # Decoded leniently, two tenants' different salts could read alike and share cached prompts.
+        salt = None if salt is None else _utf8(salt, "cache_salt")
         return self.stack.make_request(
             text=text, prompt_ids=None if ids is None else ids,
             max_tokens=_as_int(_scalar(req, "max_tokens", 16)),
@@ -170,9 +169,9 @@ class GenerateModel:
             top_k=_as_int(_scalar(req, "top_k", 0)),
             seed=None if seed is None else _as_int(seed),
             stop=stops,
-            tpot_s=None if tpot_ms is None or float(tpot_ms) <= 0 else float(tpot_ms) / 1e3,
+            tpot_s=None if tpot_ms is None or float(tpot_ms) == 0 else float(tpot_ms) / 1e3,
             ignore_eos=bool(_scalar(req, "ignore_eos", False)),
-            cache_salt=None if salt is None else str(salt),
+            cache_salt=salt,
         )
 
 
@@ -183,21 +182,21 @@ class DraftModel:
         self.service = service
 
     async def __call__(self, requests):
-        responses = []
-        for req in requests:
-            rid = _scalar(req, "request_id")
-            if rid is None:
-                raise ValueError("request_id (BYTES[1]) is required")
-            ids = req.data.get("input_ids")
-            tree = self.service.draft(rid.decode("utf-8", "replace") if isinstance(rid, bytes) else str(rid),
-                                      np.zeros(0, np.int32) if ids is None else ids.reshape(-1),
-                                      budget=_as_int(_scalar(req, "budget", 16)),
-                                      end=bool(_scalar(req, "end", False)))
-            responses.append({
-                "draft_tokens": tree.tokens.astype(np.int32), "draft_parents": tree.parents.astype(np.int32),
-                "draft_probs": tree.probs.astype(np.float32), "best_path": tree.best_path().tokens.astype(np.int32),
-            })
-        return responses
+        return [self.respond(req) for req in requests]
+
+    def respond(self, req) -> dict[str, np.ndarray]:
+        """One request's outputs (`req.data`: input name -> array; the stock-tritonserver model calls this too).
+        ValueError: bad input, this request only."""
+        rid = _scalar(req, "request_id")
+        if rid is None:
+            raise ValueError("request_id (BYTES[1]) is required")
+        ids = req.data.get("input_ids")
+        tree = self.service.draft(_utf8(rid, "request_id"),
+                                  np.zeros(0, np.int32) if ids is None else ids.reshape(-1),
+                                  budget=_as_int(_scalar(req, "budget", 16)),
+                                  end=bool(_scalar(req, "end", False)))
+        return {"draft_tokens": tree.tokens.astype(np.int32), "draft_parents": tree.parents.astype(np.int32),
+                "draft_probs": tree.probs.astype(np.float32), "best_path": tree.best_path().tokens.astype(np.int32)}
 
 
 def _request_id(key: str) -> str:
@@ -275,6 +274,17 @@ def _scalar(req, name: str, default=None):
     if value.size != 1:
         raise ValueError(f"input {name} must hold exactly one value; got shape {list(value.shape)}")
     return value.reshape(-1)[0]
+
+
+def _utf8(value, name: str) -> str:
+    """A BYTES element as text. Not decoded with replacement: two ids or salts that differ only in their invalid
+    bytes would read as one."""
+    if not isinstance(value, bytes):
+        return str(value)
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{name} must be UTF-8 text") from None
 
 
 def _as_int(value) -> int:

@@ -3,9 +3,11 @@ serving configuration and the import path come from this model's config.pbtxt.""
 
 import json
 import sys
+from types import SimpleNamespace
 
-import numpy as np
 import triton_python_backend_utils as pb_utils
+
+INPUTS = ("request_id", "input_ids", "budget", "end")
 
 
 class TritonPythonModel:
@@ -16,30 +18,25 @@ class TritonPythonModel:
                 sys.path.insert(0, path)
         from orchestrator.serving.draft_service import DraftService
         from orchestrator.serving.stack import ServingConfig, make_drafter
+        from orchestrator.serving.triton_server import DraftModel
 
         config = ServingConfig(**json.loads(params["serving_config"]))
         self.service = DraftService(make_drafter(config), idle_timeout_s=config.draft_idle_timeout_s)
+        self.model = DraftModel(self.service)  # the same input handling as `retrospec serve --triton`
 
     def execute(self, requests):
         responses = []
         for request in requests:
+            data = {}
+            for name in INPUTS:
+                tensor = pb_utils.get_input_tensor_by_name(request, name)
+                if tensor is not None:
+                    data[name] = tensor.as_numpy()
             try:
-                rid = pb_utils.get_input_tensor_by_name(request, "request_id").as_numpy().reshape(-1)[0]
-                ids = pb_utils.get_input_tensor_by_name(request, "input_ids")
-                budget = pb_utils.get_input_tensor_by_name(request, "budget")
-                end = pb_utils.get_input_tensor_by_name(request, "end")
-                tree = self.service.draft(
-                    rid.decode("utf-8", "replace") if isinstance(rid, bytes) else str(rid),
-                    np.zeros(0, np.int32) if ids is None else ids.as_numpy().reshape(-1),
-                    budget=16 if budget is None else int(budget.as_numpy().reshape(-1)[0]),
-                    end=False if end is None else bool(end.as_numpy().reshape(-1)[0]))
-                responses.append(pb_utils.InferenceResponse(output_tensors=[
-                    pb_utils.Tensor("draft_tokens", tree.tokens.astype(np.int32)),
-                    pb_utils.Tensor("draft_parents", tree.parents.astype(np.int32)),
-                    pb_utils.Tensor("draft_probs", tree.probs.astype(np.float32)),
-                    pb_utils.Tensor("best_path", tree.best_path().tokens.astype(np.int32)),
-                ]))
-            except ValueError as exc:
+                outputs = self.model.respond(SimpleNamespace(data=data))
+                responses.append(pb_utils.InferenceResponse(
+                    output_tensors=[pb_utils.Tensor(name, array) for name, array in outputs.items()]))
+            except ValueError as exc:  # bad input: this request only
                 responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))))
         return responses
 

@@ -9,7 +9,9 @@ client that cancelled its stream left the generation running to max_tokens. This
 - before each streamed response is passed on to Triton, the request's `is_cancelled()` is asked (Triton's request
   cancellation, r23.10+), and the key of a cancelled request is sent, once, as a datagram to the unix socket
   `retrospec-cancel.sock` in pytriton's workspace, where the retrospec process cancels the generation and frees its
-  KV blocks.
+  KV blocks;
+- an error reaches the client as the exception's message (`max_tokens must be an integer >= 1; got 0`), not as the
+  Python traceback pytriton formats in the retrospec process, which only its log needs.
 
 Why in the response path and not from a polling thread: the backend frees a request's response factory once its
 final response is sent, and `is_cancelled()` on it after that crashes tritonserver (seen under load). pytriton's
@@ -41,12 +43,26 @@ class _CheckBeforeHandingOn:
         self._queue, self._check = queue, check
 
     async def get(self):
-        item = await self._queue.get()
+        flags, payload = await self._queue.get()
         await self._check()
-        return item
+        if flags & pytriton_model.PyTritonResponseFlags.ERROR and isinstance(payload, bytes):
+            payload = client_message(payload)
+        return flags, payload
 
     def task_done(self):
         self._queue.task_done()
+
+
+def client_message(error: bytes) -> bytes:
+    """The message of the exception a formatted traceback ends with; a ValueError (bad input, by retrospec's
+    contract) without its type's name. Anything else is passed on as it is."""
+    text = error.decode("utf-8", "replace")
+    if not text.startswith("Traceback (most recent call last):"):
+        return error
+    lines = text.rstrip("\n").split("\n")
+    frames = [i for i, line in enumerate(lines) if line.startswith(" ")]  # frames, their code and carets
+    message = "\n".join(lines[frames[-1] + 1:] if frames else lines[1:])
+    return message.removeprefix("ValueError: ").encode()
 
 
 class CancellationReportingHandler(pytriton_model.DecoupledResponsesHandler):
