@@ -3,6 +3,7 @@ over gRPC streaming and the drafting service over HTTP, with bad input, load and
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import sysconfig
@@ -171,13 +172,18 @@ def _bad_cases(server):
     ]
 
 
-def test_bad_input_gets_a_clear_error_and_the_server_keeps_serving(server):
+def test_bad_input_gets_a_clear_error_and_the_server_keeps_serving(server, caplog):
     url = grpc_url(server)
-    for name, inputs, needle in _bad_cases(server):
-        out = stream_generate(url, inputs)
-        assert out["error"] is not None, name
-        assert needle.lower() in str(out["error"]).lower(), (name, str(out["error"]))
-        assert "Traceback" not in str(out["error"]), (name, str(out["error"]))  # the message, not the server's stack
+    with caplog.at_level(logging.WARNING, logger="pytriton.proxy.inference"):
+        for name, inputs, needle in _bad_cases(server):
+            out = stream_generate(url, inputs)
+            assert out["error"] is not None, name
+            assert needle.lower() in str(out["error"]).lower(), (name, str(out["error"]))
+            assert "Traceback" not in str(out["error"]), (name, str(out["error"]))  # the message, not our stack
+    # the server's log says each refusal in one line too
+    refusals = [r.getMessage() for r in caplog.records if r.name == "pytriton.proxy.inference"]
+    assert any("refused a request (bad input): max_tokens" in m for m in refusals), refusals
+    assert not any("Traceback" in m for m in refusals), refusals
     client = grpcclient.InferenceServerClient(url)
     with pytest.raises(InferenceServerException, match="unknown_model|not found|unavailable"):
         client.infer("unknown_model", [tensor(grpcclient, "input_ids", np.array([1, 2], np.int32))])

@@ -2,10 +2,11 @@
 `stream` is true), `/v1/models`, `/health`, `/metrics` (Prometheus text).
 
 Bad input gets a 4xx with OpenAI's error shape, `{"error": {"message", "type", "param", "code"}}` (`param`: the
-field at fault), and damages nothing else. `stream_options.include_usage` gives OpenAI's stream shape (`_sse`). Extensions beyond OpenAI's fields: `top_k`, `ignore_eos`, `tpot_ms` (the request's time-per-output-
-token objective) and `cache_salt` (vLLM's: requests share cached prompt prefixes only with the same salt) in
-requests; `token_ids` per choice and a `retrospec` object with speculation statistics (steps, accepted draft tokens,
-tokens per step) in responses, and `usage.prompt_tokens_details.cached_tokens` as OpenAI reports it. Like OpenAI,
+field at fault), and damages nothing else. `stream_options.include_usage` gives OpenAI's stream shape (`_sse`).
+Extensions beyond OpenAI's fields: `top_k`, `ignore_eos`, `tpot_ms` (the request's time-per-output-token objective)
+and `cache_salt` (vLLM's: requests share cached prompt prefixes only with the same salt) in requests; `token_ids`
+per choice and a `retrospec` object with speculation statistics (steps, accepted draft tokens, tokens per step) in
+responses, and `usage.prompt_tokens_details.cached_tokens` as OpenAI reports it. Like OpenAI,
 `temperature` defaults to 1.0 (sampling): send `"temperature": 0` for greedy output, and without `max_tokens` (or
 with null) a completion stops after 16 tokens and a chat reply runs to EOS, a stop string or the end of the context.
 

@@ -118,9 +118,11 @@ class GenerateModel:
             raise ValueError(f"{GENERATE_MODEL} takes one request per call; got {len(requests)}")
         try:
             request = self.stack_request(requests[0])
-        except ValueError:
+        except ValueError as exc:
             self.stack.metrics.rejected.labels(frontend="triton").inc()
-            raise
+            # as a plain ValueError, which the client and the log get as its message alone (_BadInputInOneLine; the
+            # cancellation proxy's `client_message`)
+            raise ValueError(str(exc)) from None
         key = (requests[0].parameters or {}).get(CANCEL_KEY_PARAMETER)
         if self.was_cancelled(key):
             return
@@ -293,12 +295,31 @@ def _as_int(value) -> int:
     return int(value)
 
 
+class _BadInputInOneLine(logging.Filter):
+    """pytriton logs every request its inference callable raised on with the whole traceback (a warning of
+    `pytriton.proxy.inference`). A ValueError is a client's bad input, whose client got the message: the log gets
+    that message in one line. Anything else keeps its traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if (isinstance(record.msg, str) and record.msg.startswith("Exception while performing inference")
+                and len(args) == 2 and isinstance(args[1], str)):
+            last = args[1].rstrip().rsplit("\n", 1)[-1]
+            if last.startswith("ValueError: "):
+                record.msg, record.args = "refused a request (bad input): %s", (last.removeprefix("ValueError: "),)
+        return True
+
+
+_BAD_INPUT_IN_ONE_LINE = _BadInputInOneLine()
+
+
 def start_triton(stack: ServingStack, *, ports: TritonPorts = TritonPorts(), address: str = "127.0.0.1",
                  verbose: bool = False):
     """Start tritonserver (a subprocess) serving both models; returns the `pytriton.triton.Triton` (call `.stop()`).
     The generate model shares `stack`'s runner; the draft model gets its own drafter over the same datastores.
     A client that cancels its gRPC stream (or disconnects) cancels its generation here too (module docstring)."""
     ensure_libpython_on_ld_path()
+    logging.getLogger("pytriton.proxy.inference").addFilter(_BAD_INPUT_IN_ONE_LINE)  # once: the same filter
     from pytriton.model_config import ModelConfig, Tensor
     from pytriton.triton import Triton, TritonConfig
     from pytriton.utils.workspace import Workspace
