@@ -14,6 +14,7 @@ import httpx
 import numpy as np
 import pytest
 
+from orchestrator.serving.triton_server import free_ports
 from trt_engines.prepare import default_model_dir, is_complete
 
 pytestmark = pytest.mark.skipif(not is_complete(default_model_dir()), reason="default model not prepared")
@@ -22,8 +23,6 @@ pytestmark = pytest.mark.skipif(not is_complete(default_model_dir()), reason="de
 def test_serve_both_front_ends_then_graceful_sigterm(tmp_path):
     grpcclient = pytest.importorskip("tritonclient.grpc")
     from tritonclient.utils import np_to_triton_dtype
-
-    from orchestrator.serving.triton_server import free_ports
 
     http_port, t_http, t_grpc, t_metrics = free_ports(4)
     log = open(tmp_path / "serve.log", "w")
@@ -110,6 +109,10 @@ def test_serve_both_front_ends_then_graceful_sigterm(tmp_path):
                                    "got '-1'"),
     (["--draft-timeout-ms", "nan"], "--draft-timeout-ms: expected milliseconds > 0"),
     (["--draft-timeout-ms", "soon"], "--draft-timeout-ms: expected milliseconds > 0"),
+    # ports are checked before the model loads (uvicorn's bind failed after it, and 99999 raised an OverflowError)
+    (["--http-port", "99999"], "argument --http-port: expected a TCP port (1-65535), got '99999'"),
+    (["--triton", "--http-port", "8000"], "--http-port and --triton-http-port are both 8000: give each server its own"),
+    (["--http-port", "9009", "--host", "nosuchhost.invalid"], "--http-port 9009: cannot listen on nosuchhost.invalid"),
 ])
 def test_serve_refuses_bad_options_before_starting_anything(capsys, argv, message):
     from orchestrator.serving.cli import serve_main
@@ -117,6 +120,19 @@ def test_serve_refuses_bad_options_before_starting_anything(capsys, argv, messag
     with pytest.raises(SystemExit) as exit_info:
         serve_main(["--http", *argv])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_serve_refuses_a_port_in_use_before_loading_the_model(capsys):
+    import socket
+
+    from orchestrator.serving.cli import serve_main
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        with pytest.raises(SystemExit) as exit_info:
+            serve_main(["--http", "--http-port", str(port)])
+    assert exit_info.value.code == 2
+    assert f"--http-port {port}: cannot listen on 127.0.0.1:{port} (Address already in use)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("value, chunk", [(None, "auto"), ("auto", "auto"), ("0", None), ("64", 64)])
@@ -148,7 +164,8 @@ def test_serve_refuses_a_wrong_path_in_one_line_before_loading_the_model(tmp_pat
     monkeypatch.setattr(TorchEngine, "__init__", recording_init)
     path = tmp_path / "not_there"
     option = ["--datastore", str(path)] if wrong == "datastore" else ["--model", str(path)]
-    code = main(["serve", "--http", "--hardware", "nominal", "--no-fit", "--dtype", "float32", *option])
+    code = main(["serve", "--http", "--http-port", str(free_ports(1)[0]), "--hardware", "nominal", "--no-fit",
+                 "--dtype", "float32", *option])
     err = capsys.readouterr().err
     assert code == 2 and engines == []
     want = ("no such datastore directory; build one with `build-datastore`" if wrong == "datastore" else
@@ -164,6 +181,7 @@ def test_serve_refuses_options_the_model_or_hardware_cannot_take_in_one_line(cap
     # known only once the model's config or the hardware profile is read (at start-up), and still a user's error
     from orchestrator.cli import main
 
-    assert main(["serve", "--http", "--hardware", "nominal", "--no-fit", *option]) == 2
+    assert main(["serve", "--http", "--http-port", str(free_ports(1)[0]), "--hardware", "nominal", "--no-fit",
+                 *option]) == 2
     err = capsys.readouterr().err
     assert err.startswith("retrospec serve: error: ") and message in err and "Traceback" not in err

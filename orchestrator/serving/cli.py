@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import socket
 import sys
 import threading
 import time
@@ -73,6 +74,37 @@ def prefill_chunk_arg(text: str) -> int | str | None:
     return tokens or None
 
 
+def port_arg(text: str) -> int:
+    """A port flag's argument: a TCP port, 1-65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port (1-65535), got {text!r}")
+    return port
+
+
+def check_ports(host: str, ports: dict[str, int]) -> str | None:
+    """Why the front ends could not listen on these ports (flag -> port), or None. Asked before the model loads
+    (a minute with profiling), rather than have uvicorn or tritonserver fail to bind after it."""
+    flags_of: dict[int, list[str]] = {}
+    for flag, port in ports.items():
+        flags_of.setdefault(port, []).append(flag)
+    for port, flags in flags_of.items():
+        if len(flags) > 1:
+            return f"{' and '.join(flags)} are both {port}: give each server its own port"
+    for flag, port in ports.items():
+        try:
+            family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind: a listener blocks
+                probe.bind(address)
+        except OSError as exc:  # in use, an address not on this machine, a host name that does not resolve
+            return f"{flag} {port}: cannot listen on {host}:{port} ({exc.strerror or exc}); pick a free port, or a --host of this machine"
+    return None
+
+
 def _config(args):
     from orchestrator.serving.stack import ServingConfig
 
@@ -91,10 +123,10 @@ def serve_main(argv: Sequence[str]) -> int:
     parser.add_argument("--triton", action="store_true", help="start Triton Inference Server (pytriton)")
     parser.add_argument("--http", action="store_true", help="start the OpenAI-compatible HTTP API")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--http-port", type=int, default=9000, help="OpenAI API port")
-    parser.add_argument("--triton-http-port", type=int, default=8000)
-    parser.add_argument("--triton-grpc-port", type=int, default=8001)
-    parser.add_argument("--triton-metrics-port", type=int, default=8002)
+    parser.add_argument("--http-port", type=port_arg, default=9000, help="OpenAI API port")
+    parser.add_argument("--triton-http-port", type=port_arg, default=8000)
+    parser.add_argument("--triton-grpc-port", type=port_arg, default=8001)
+    parser.add_argument("--triton-metrics-port", type=port_arg, default=8002)
     _config_args(parser)
     args = parser.parse_args(argv)
     if not (args.triton or args.http):
@@ -105,6 +137,13 @@ def serve_main(argv: Sequence[str]) -> int:
         config = _config(args)
     except ValueError as exc:
         parser.error(str(exc))
+    ports = {"--http-port": args.http_port} if args.http else {}
+    if args.triton:
+        ports |= {"--triton-http-port": args.triton_http_port, "--triton-grpc-port": args.triton_grpc_port,
+                  "--triton-metrics-port": args.triton_metrics_port}
+    problem = check_ports(args.host, ports)
+    if problem:
+        parser.error(problem)
     steps = [f"loading {config.model} ({config.dtype})"]
     if config.hardware == "measure":
         steps.append("profiling this device")
