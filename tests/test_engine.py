@@ -233,6 +233,40 @@ def test_sampled_first_token_has_target_distribution_and_is_the_same_with_and_wi
     assert p_value > 1e-3, f"chi2 {chi2:.1f} on {dof} dof, p {p_value:.2g}"
 
 
+def _nucleus_by_full_sort(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The naive top-p rule on one row (the sampler's before it searched with topk): sort the whole vocabulary
+    descending, keep tokens while the mass before each is below top_p (at least one); every token as probable as
+    the last one kept is kept too (ties at the edge)."""
+    ordered = torch.sort(probs, descending=True).values
+    before = ordered.cumsum(dim=-1) - ordered
+    kept = max(int((before < top_p).sum()), 1)
+    return probs >= ordered[kept - 1]
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), rows=st.integers(1, 6), top_p=st.floats(0.05, 0.999),
+       shape=st.sampled_from(["peaked", "flat", "ties", "mixed"]))
+def test_top_p_keeps_what_a_full_sort_keeps_in_any_batch(seed, rows, top_p, shape):
+    # The nucleus is searched among each row's most probable tokens (torch.topk, widening where they hold too little
+    # mass) instead of sorting the vocabulary; it must keep exactly the naive rule's tokens, each row alike whatever
+    # other rows share its batch (a tree's rows and plain decoding's one row sample the same tokens).
+    from trt_engines.torch_engine import nucleus_threshold
+
+    rng = np.random.default_rng(seed)
+    vocab = 5000
+    scale = {"peaked": 3.0, "flat": 0.05, "ties": 1.0, "mixed": 1.0}[shape]
+    logits = rng.standard_normal((rows, vocab)) * scale
+    if shape == "ties":
+        logits = np.round(logits)  # few distinct values: ties at the nucleus's edge
+    if shape == "mixed":
+        logits[::2] *= 6.0  # peaked rows beside flat ones
+    probs = torch.from_numpy(logits.astype(np.float32)).softmax(dim=-1)
+    threshold = nucleus_threshold(probs, top_p)
+    for r in range(rows):
+        assert torch.equal(probs[r] >= threshold[r], _nucleus_by_full_sort(probs[r], top_p))
+        assert torch.equal(nucleus_threshold(probs[r : r + 1], top_p), threshold[r : r + 1])  # alone, the same
+
+
 def test_seeded_sampling_is_reproducible(engine):
     prompts = [_prompt(np.random.default_rng(4), 7)] * 2
     params = [SamplingParams(temperature=0.9, top_p=0.9, seed=7), SamplingParams(temperature=0.9, top_p=0.9, seed=8)]

@@ -71,7 +71,8 @@ def check_cpu_kernels(value: str) -> None:
 class SamplingParams:
     """How a request picks target tokens. temperature 0 = greedy (argmax); otherwise softmax(logits / temperature)
     restricted to the `top_k` most likely tokens (0 = all) and then to the smallest top set whose mass reaches
-    `top_p`. `seed` (None = a random one) fixes the draw at every position of the output: a seeded request samples
+    `top_p` (with every token as likely as its least likely one: ties at the edge are kept, whatever a sort's
+    order). `seed` (None = a random one) fixes the draw at every position of the output: a seeded request samples
     the same tokens again, with speculation or without."""
 
     temperature: float = 0.0

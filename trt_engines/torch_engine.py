@@ -347,6 +347,30 @@ def position_uniforms(seed: int, positions: np.ndarray) -> np.ndarray:
     return (mixed >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
 
 
+def nucleus_threshold(probs: Tensor, top_p: float, *, first_k: int = 64) -> Tensor:
+    """Per row of `probs` [R, V], the smallest probability in its nucleus: the most probable tokens, in descending
+    order, while the mass before each is below `top_p` (at least one). Top-p sampling keeps every token at least that
+    probable, ties at the edge included, so the kept set does not depend on how a sort orders equal probabilities.
+
+    The nucleus is found among each row's `first_k` most probable tokens (`torch.topk`), and among 16 times as many
+    for the rows whose top `first_k` hold less than `top_p` of the mass, and so on: a full sort of the vocabulary
+    per row (49152 tokens) cost 5.9 ms a row on a 2-core AVX2 EPYC, ten times the rest of sampling."""
+    rows, vocab = probs.shape
+    threshold = torch.empty(rows, 1, dtype=probs.dtype, device=probs.device)
+    left = torch.arange(rows, device=probs.device)
+    k = min(first_k, vocab)
+    while left.numel():
+        top = torch.topk(probs[left], k, dim=-1).values  # descending
+        mass = top.cumsum(dim=-1)
+        # the prefix sums of a full sort's first k, to the bit: the same values added in the same order
+        inside = (mass - top < top_p).sum(dim=-1).clamp(min=1)
+        done = (mass[:, -1] >= top_p) | (k == vocab)  # the nucleus ends within these k
+        threshold[left[done]] = top[done].gather(-1, (inside[done] - 1).unsqueeze(-1))
+        left = left[~done]
+        k = min(16 * k, vocab)
+    return threshold
+
+
 def sample_tokens(logits: Tensor, params: SamplingParams, seed: int | None, positions: np.ndarray) -> Tensor:
     """One target token per row of `logits` [R, V] (fp32): argmax, or a draw from the filtered softmax, row r
     sampling the token at `positions[r]` by inverting its distribution's CDF at `position_uniforms(seed, ...)`.
@@ -366,11 +390,8 @@ def sample_tokens(logits: Tensor, params: SamplingParams, seed: int | None, posi
         kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, -math.inf)
     if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        drop = probs.cumsum(dim=-1) - probs >= params.top_p  # mass before this token already reaches top_p
-        drop[:, 0] = False
-        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, -math.inf))
+        probs = logits.softmax(dim=-1)
+        logits = logits.masked_fill(probs < nucleus_threshold(probs, params.top_p), -math.inf)
     cdf = logits.softmax(dim=-1).double().cumsum(dim=-1)
     uniforms = torch.from_numpy(position_uniforms(seed, positions)).to(cdf.device)
     # the first token whose cumulative mass passes u times the total: one with mass > 0, as the CDF rises there
