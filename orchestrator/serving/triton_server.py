@@ -25,7 +25,9 @@ Cancellation: pytriton's proxy model (the Python-backend model inside tritonserv
 ignores Triton's request cancellation, so `start_triton` puts `templates/pytriton_cancel_model.py` in front of it for
 the generate model. That model tags each request with a key and reports the keys of cancelled requests (a client
 that cancels its gRPC stream or disconnects) to a `CancellationListener` on a unix datagram socket in pytriton's
-workspace; `GenerateModel.cancel` then cancels the generation, which frees its KV blocks.
+workspace; `GenerateModel.cancel` then cancels the generation, which frees its KV blocks. The same file stands in
+front of `retrospec_draft`, so that its bad input is a 400 with the message rather than pytriton's 500 (the
+template's docstring).
 """
 
 from __future__ import annotations
@@ -380,6 +382,7 @@ def start_triton(stack: ServingStack, *, ports: TritonPorts = TritonPorts(), add
         )
         triton.draft_service = service  # for tests and operators: the live sessions
         install_cancellation_proxy(triton, GENERATE_MODEL)
+        install_cancellation_proxy(triton, DRAFT_MODEL)  # for its error responses (the template's docstring)
         # its thread ends by itself once `triton.stop()` deletes the workspace, socket file included
         listener = CancellationListener(workspace.path / CANCEL_SOCKET_NAME, generate.cancel).start()
         triton.run()

@@ -13,6 +13,11 @@ client that cancelled its stream left the generation running to max_tokens. This
 - an error reaches the client as the exception's message (`max_tokens must be an integer >= 1; got 0`), not as the
   Python traceback pytriton formats in the retrospec process, which only its log needs.
 
+`start_triton` loads this file in front of `retrospec_draft` too, which is not decoupled: there only the last point
+applies, and more is needed. pytriton's batch handler turns a failed call into an exception that its `execute`
+wraps in one more traceback, as an internal error (HTTP 500) for the whole call; `ClientErrorBatchHandler` answers
+each request with an error response instead, carrying the message, INVALID_ARG (HTTP 400) for a ValueError.
+
 Why in the response path and not from a polling thread: the backend frees a request's response factory once its
 final response is sent, and `is_cancelled()` on it after that crashes tritonserver (seen under load). pytriton's
 responses handler sends one response at a time and the final one last, so a check made before a response is handed
@@ -21,6 +26,7 @@ noticed within a step.
 """
 
 import asyncio
+import concurrent.futures
 import itertools
 import json
 import os
@@ -37,32 +43,59 @@ CANCEL_SOCKET_NAME = "retrospec-cancel.sock"
 
 
 class _CheckBeforeHandingOn:
-    """The responses queue of one batch of requests, asking about cancellation before each response leaves it."""
+    """The responses queue of one batch of requests, asking about cancellation (`check`, if any) before each response
+    leaves it; an error leaves it as its message, which `errors` (if given) collects."""
 
-    def __init__(self, queue, check):
-        self._queue, self._check = queue, check
+    def __init__(self, queue, check=None, errors=None):
+        self._queue, self._check, self._errors = queue, check, errors
 
     async def get(self):
         flags, payload = await self._queue.get()
-        await self._check()
+        if self._check is not None:
+            await self._check()
         if flags & pytriton_model.PyTritonResponseFlags.ERROR and isinstance(payload, bytes):
-            payload = client_message(payload)
+            payload, bad_input = _final_exception(payload)
+            if self._errors is not None:
+                self._errors.append((payload.decode("utf-8", "replace"), bad_input))
         return flags, payload
 
     def task_done(self):
         self._queue.task_done()
 
 
+class ClientErrorBatchHandler(pytriton_model.BatchResponsesHandler):
+    """pytriton's handler for a model that is not decoupled, answering a failed call with an error response per
+    request (the message; INVALID_ARG where it was a ValueError) instead of an exception (module docstring)."""
+
+    async def handle_responses(self, scope, responses_queue, responses_future):
+        requests = list(self._requests_map[scope["requests_id"]])
+        errors = []
+        handled = concurrent.futures.Future()  # what pytriton's handler would hand `execute`
+        result = await super().handle_responses(scope, _CheckBeforeHandingOn(responses_queue, errors=errors), handled)
+        if errors:
+            message, bad_input = errors[-1]
+            code = pb_utils.TritonError.INVALID_ARG if bad_input else pb_utils.TritonError.INTERNAL
+            result = [pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)) for _ in requests]
+        responses_future.set_result(result)
+        return result
+
+
 def client_message(error: bytes) -> bytes:
     """The message of the exception a formatted traceback ends with; a ValueError (bad input, by retrospec's
     contract) without its type's name. Anything else is passed on as it is."""
+    return _final_exception(error)[0]
+
+
+def _final_exception(error: bytes) -> tuple[bytes, bool]:
+    """`client_message`, and whether the exception was a ValueError."""
     text = error.decode("utf-8", "replace")
     if not text.startswith("Traceback (most recent call last):"):
-        return error
+        return error, False
     lines = text.rstrip("\n").split("\n")
     frames = [i for i, line in enumerate(lines) if line.startswith(" ")]  # frames, their code and carets
     message = "\n".join(lines[frames[-1] + 1:] if frames else lines[1:])
-    return message.removeprefix("ValueError: ").encode()
+    bad_input = message.startswith("ValueError: ")
+    return message.removeprefix("ValueError: ").encode(), bad_input
 
 
 class CancellationReportingHandler(pytriton_model.DecoupledResponsesHandler):
@@ -105,14 +138,16 @@ class TritonPythonModel(PyTritonProxyModel):
         socket_path = str(pathlib.Path(config["parameters"]["workspace-path"]["string_value"]) / CANCEL_SOCKET_NAME)
         keys = {}
 
-        def handler(*handler_args):  # pytriton's initialize picks its handler class by this module-level name
+        def handler(*handler_args):
             return CancellationReportingHandler(*handler_args, keys=keys, socket_path=socket_path)
 
-        pytriton_model.DecoupledResponsesHandler, original = handler, pytriton_model.DecoupledResponsesHandler
+        # pytriton's initialize picks its handler class by these module-level names
+        originals = pytriton_model.DecoupledResponsesHandler, pytriton_model.BatchResponsesHandler
+        pytriton_model.DecoupledResponsesHandler, pytriton_model.BatchResponsesHandler = handler, ClientErrorBatchHandler
         try:
             super().initialize(args)
         finally:
-            pytriton_model.DecoupledResponsesHandler = original
+            pytriton_model.DecoupledResponsesHandler, pytriton_model.BatchResponsesHandler = originals
         server = getattr(self, "_requests_server", None)
         if not callable(getattr(server, "_wrap_request", None)):
             raise pb_utils.TritonModelException(
