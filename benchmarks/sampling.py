@@ -142,8 +142,8 @@ def write_markdown(path, result: dict) -> None:
     ]
     lines += [f"| {r['temperature']} | {r['top_p']} | {r['rows']} | {r['topk_ms']:.2f} | {r['full_sort_ms']:.2f} | "
               f"{r['full_sort_over_topk']:.2f} |" for r in result["rows"]]
-    lines += ["", "What each keeps and samples (temperature 0.8, all rows; 'ties' says whether every token only topk "
-              "keeps is exactly as probable as the nucleus's least probable one):", "",
+    lines += ["", "What each keeps and samples (temperature 0.8, all rows; 'the rest tie the edge': every token only "
+              "topk keeps is exactly as probable as the nucleus's least probable one):", "",
               "| top_p | rows with the same kept set | full sort's set within topk's | the rest tie the edge | "
               "same token where the sets agree | nucleus tokens: median, p90, max |", "|---|---|---|---|---|---|"]
     for p, a in result["agreement"].items():
