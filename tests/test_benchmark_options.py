@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks import (cpu_attention, gpu_orchestrator, gpu_sdpa_backends, kv_placement, linear_rows,
-                        one_call, prefill_attention, serving, throughput)
+                        one_call, prefill_attention, sampling, serving, throughput)
 
 
 def refused_before_running(monkeypatch, owner, measuring: str, main, argv: list[str]) -> str:
@@ -50,7 +50,8 @@ def test_serving_refuses_bad_options_before_starting_the_server(monkeypatch, cap
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("benchmark", [cpu_attention, kv_placement, linear_rows, one_call, prefill_attention])
+@pytest.mark.parametrize("benchmark", [cpu_attention, kv_placement, linear_rows, one_call, prefill_attention,
+                                       sampling])
 def test_rounds_benchmarks_refuse_a_round_count_below_one_before_measuring(monkeypatch, capsys, benchmark):
     refused_before_running(monkeypatch, benchmark, "measure", benchmark.main, ["--rounds", "0"])
     assert "--rounds must be >= 1; got 0" in capsys.readouterr().err
