@@ -186,7 +186,10 @@ class DraftModel:
         self.service = service
 
     async def __call__(self, requests):
-        return [self.respond(req) for req in requests]
+        try:
+            return [self.respond(req) for req in requests]
+        except ValueError as exc:  # a plain ValueError: the proxy answers with its message, as a 400
+            raise ValueError(str(exc)) from None
 
     def respond(self, req) -> dict[str, np.ndarray]:
         """One request's outputs (`req.data`: input name -> array; the stock-tritonserver model calls this too).
