@@ -28,7 +28,8 @@ from benchmarks.results_files import rounds_benchmark_main
 from drafter.tree import DraftTree
 from trt_engines.base import SamplingParams, VerifyItem
 from trt_engines.cpu_kernels import cpu_description
-from trt_engines.torch_engine import TorchEngine, nucleus_threshold, position_uniforms, sample_tokens
+from trt_engines.sampling import nucleus_threshold, position_uniforms, sample_tokens
+from trt_engines.torch_engine import TorchEngine
 
 PROMPTS = ("def fibonacci(n):", "The capital of France is", "Write a short poem about the sea.",
            "import numpy as np\n\ndef normalize(x):")

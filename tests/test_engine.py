@@ -250,7 +250,7 @@ def test_top_p_keeps_what_a_full_sort_keeps_in_any_batch(seed, rows, top_p, shap
     # The nucleus is searched among each row's most probable tokens (torch.topk, widening where they hold too little
     # mass) instead of sorting the vocabulary; it must keep exactly the naive rule's tokens, each row alike whatever
     # other rows share its batch (a tree's rows and plain decoding's one row sample the same tokens).
-    from trt_engines.torch_engine import nucleus_threshold
+    from trt_engines.sampling import nucleus_threshold
 
     rng = np.random.default_rng(seed)
     vocab = 5000
@@ -671,7 +671,7 @@ def test_bf16_kernel_logits_equal_plain_decoding_on_any_branch(engine_bf16):
 def test_greedy_tokens_pick_what_torchs_argmax_picks(seed, rows, vocab):
     """numpy's argmax stands in for torch's on the CPU (`greedy_tokens`): the same index on every row, ties (the
     first maximum), infinities and NaNs (a NaN counts as the maximum) included."""
-    from trt_engines.torch_engine import greedy_tokens
+    from trt_engines.sampling import greedy_tokens
 
     rng = np.random.default_rng(seed)
     logits = rng.choice(np.array([-np.inf, -1.0, 0.0, 0.5, 3.0, np.inf, np.nan], np.float32), (rows, vocab),
