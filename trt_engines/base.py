@@ -5,8 +5,8 @@ Vocabulary:
     root        the last accepted token. It is NOT cached yet: every `verify` feeds [root, tree nodes...] at positions
                 `ctx_len + [0, depth...]`, and `commit` caches the root plus the accepted path.
     target token  the target model's choice at a verified position: argmax (greedy) or a sample, drawn with a
-                uniform of the request's seed and that position alone (`TorchEngine`: `position_uniforms`), so the
-                same position samples the same token in any tree and any batch, as plain decoding does.
+                uniform of the request's seed and that position alone (`trt_engines.sampling.position_uniforms`),
+                so the same position samples the same token in any tree and any batch, as plain decoding does.
                 `target_tokens[0]` follows the root, `target_tokens[1 + i]` follows node i.
     bonus token the target token at the last accepted node (or at the root when nothing is accepted); it becomes the
                 next root.

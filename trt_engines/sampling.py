@@ -17,6 +17,7 @@ from torch import Tensor
 
 from trt_engines.base import SamplingParams
 
+
 def greedy_tokens(logits: Tensor) -> np.ndarray:
     """The argmax of each row of `logits` [R, V] as int32: the first maximum, a NaN counting as the maximum (as
     torch's argmax). On the CPU through numpy's argmax, which took a tenth of the time of torch's over SmolLM2's
@@ -52,8 +53,9 @@ def nucleus_threshold(probs: Tensor, top_p: float, *, first_k: int = 64) -> Tens
     probable, ties at the edge included, so the kept set does not depend on how a sort orders equal probabilities.
 
     The nucleus is found among each row's `first_k` most probable tokens (`torch.topk`), and among 16 times as many
-    for the rows whose top `first_k` hold less than `top_p` of the mass, and so on: a full sort of the vocabulary
-    per row (49152 tokens) cost 5.9 ms a row on a 2-core AVX2 EPYC, ten times the rest of sampling."""
+    for the rows whose top `first_k` hold less than `top_p` of the mass, and so on. A full sort of the vocabulary
+    (49152 tokens) cost 4.8 ms a row on the 2-core AVX2 EPYC, ten times the rest of sampling, and 38.6 ms for a
+    16-node tree's 17 rows, against 1.3 and 9.2 ms this way (`benchmarks/results/sampling.md`)."""
     rows, vocab = probs.shape
     threshold = torch.empty(rows, 1, dtype=probs.dtype, device=probs.device)
     left = torch.arange(rows, device=probs.device)

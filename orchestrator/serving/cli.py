@@ -101,7 +101,8 @@ def check_ports(host: str, ports: dict[str, int]) -> str | None:
                 probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind: a listener blocks
                 probe.bind(address)
         except OSError as exc:  # in use, an address not on this machine, a host name that does not resolve
-            return f"{flag} {port}: cannot listen on {host}:{port} ({exc.strerror or exc}); pick a free port, or a --host of this machine"
+            return (f"{flag} {port}: cannot listen on {host}:{port} ({exc.strerror or exc}); pick a free port, or a "
+                    "--host of this machine")
     return None
 
 
