@@ -157,9 +157,10 @@ def test_exported_repository_serves_in_the_bundled_stock_tritonserver(tmp_path):
         assert len(draft.as_numpy("draft_tokens")) == len(draft.as_numpy("draft_parents"))
         from tritonclient.utils import InferenceServerException  # the same input checks as `retrospec serve --triton`
 
-        with pytest.raises(InferenceServerException, match="request_id must be UTF-8"):
+        with pytest.raises(InferenceServerException, match="request_id must be UTF-8") as refused:
             client.infer("retrospec_draft", [tensor("request_id", np.array([b"\xff"], np.object_)),
                                              tensor("input_ids", np.array(prompt, np.int32))])
+        assert refused.value.status() == "StatusCode.INVALID_ARGUMENT"  # bad input, as over pytriton (HTTP 400)
         client.close()
     finally:
         server.terminate()

@@ -21,6 +21,7 @@ import json
 import site
 import sysconfig
 from pathlib import Path
+from types import SimpleNamespace
 
 from orchestrator.serving.stack import HARDWARE_MODES, ServingConfig, open_datastores
 
@@ -47,6 +48,21 @@ DRAFT_OUTPUTS = [
     ("draft_tokens", "TYPE_INT32", "-1"), ("draft_parents", "TYPE_INT32", "-1"),
     ("draft_probs", "TYPE_FP32", "-1"), ("best_path", "TYPE_INT32", "-1"),
 ]
+
+
+def backend_request(pb_utils, request, inputs) -> SimpleNamespace:
+    """A stock-tritonserver request as the pytriton models take it (`data`: input name -> array, the inputs it
+    carries of `inputs`, a list above), so that both servers run one input check (`GenerateModel.stack_request`,
+    `DraftModel.respond`). `pb_utils` is the backend's module, importable only inside tritonserver."""
+    tensors = {name: pb_utils.get_input_tensor_by_name(request, name) for name, *_ in inputs}
+    return SimpleNamespace(data={name: t.as_numpy() for name, t in tensors.items() if t is not None})
+
+
+def error_response(pb_utils, exc: Exception):
+    """The response for a request a stock-tritonserver model refuses: its message, INVALID_ARG (HTTP 400) for bad
+    input (a ValueError), as the pytriton models answer (`templates/pytriton_cancel_model.py`)."""
+    code = pb_utils.TritonError.INVALID_ARG if isinstance(exc, ValueError) else pb_utils.TritonError.INTERNAL
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), code))
 
 
 def render_config(name: str, inputs, outputs, *, decoupled: bool, parameters: dict[str, str]) -> str:

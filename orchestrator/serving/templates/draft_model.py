@@ -3,11 +3,8 @@ serving configuration and the import path come from this model's config.pbtxt.""
 
 import json
 import sys
-from types import SimpleNamespace
 
 import triton_python_backend_utils as pb_utils
-
-INPUTS = ("request_id", "input_ids", "budget", "end")
 
 
 class TritonPythonModel:
@@ -18,7 +15,11 @@ class TritonPythonModel:
                 sys.path.insert(0, path)
         from orchestrator.serving.draft_service import DraftService
         from orchestrator.serving.stack import ServingConfig, make_drafter
+        from orchestrator.serving.triton_repo import DRAFT_INPUTS, backend_request, error_response
         from orchestrator.serving.triton_server import DraftModel
+
+        self._request = lambda request: backend_request(pb_utils, request, DRAFT_INPUTS)
+        self._error = lambda exc: error_response(pb_utils, exc)
 
         config = ServingConfig(**json.loads(params["serving_config"]))
         self.service = DraftService(make_drafter(config), idle_timeout_s=config.draft_idle_timeout_s)
@@ -27,17 +28,12 @@ class TritonPythonModel:
     def execute(self, requests):
         responses = []
         for request in requests:
-            data = {}
-            for name in INPUTS:
-                tensor = pb_utils.get_input_tensor_by_name(request, name)
-                if tensor is not None:
-                    data[name] = tensor.as_numpy()
             try:
-                outputs = self.model.respond(SimpleNamespace(data=data))
+                outputs = self.model.respond(self._request(request))
                 responses.append(pb_utils.InferenceResponse(
                     output_tensors=[pb_utils.Tensor(name, array) for name, array in outputs.items()]))
             except ValueError as exc:  # bad input: this request only
-                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))))
+                responses.append(self._error(exc))
         return responses
 
     def finalize(self):

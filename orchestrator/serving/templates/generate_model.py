@@ -4,12 +4,8 @@ export-triton-repo`; the serving configuration and the import path come from thi
 import json
 import sys
 import uuid
-from types import SimpleNamespace
 
 import triton_python_backend_utils as pb_utils
-
-INPUTS = ("text_input", "input_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "tpot_ms",
-          "ignore_eos", "cache_salt")
 
 
 class TritonPythonModel:
@@ -19,7 +15,11 @@ class TritonPythonModel:
             if path not in sys.path:
                 sys.path.insert(0, path)
         from orchestrator.serving.stack import ServingConfig, ServingStack
+        from orchestrator.serving.triton_repo import GENERATE_INPUTS, backend_request, error_response
         from orchestrator.serving.triton_server import GenerateModel
+
+        self._request = lambda request: backend_request(pb_utils, request, GENERATE_INPUTS)
+        self._error = lambda exc: error_response(pb_utils, exc)
 
         self.stack = ServingStack.build(ServingConfig(**json.loads(params["serving_config"])))
         self.model = GenerateModel(self.stack)
@@ -28,18 +28,13 @@ class TritonPythonModel:
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         for request in requests:
             sender = request.get_response_sender()
-            data = {}
-            for name in INPUTS:
-                tensor = pb_utils.get_input_tensor_by_name(request, name)
-                if tensor is not None:
-                    data[name] = tensor.as_numpy()
             try:
-                generation = self.model.stack_request(SimpleNamespace(data=data))
+                generation = self.model.stack_request(self._request(request))
                 rid = f"triton-{uuid.uuid4().hex}"
                 self.stack.submit(generation, lambda out, sender=sender, rid=rid: self._send(sender, out, rid),
                                   frontend="triton", request_id=rid)
             except (ValueError, RuntimeError) as exc:  # bad input or shutting down: this request only
-                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))), flags=final)
+                sender.send(self._error(exc), flags=final)
         return None
 
     def _send(self, sender, out, request_id):
