@@ -245,15 +245,17 @@ def _nucleus_by_full_sort(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), rows=st.integers(1, 6), top_p=st.floats(0.05, 0.999),
-       shape=st.sampled_from(["peaked", "flat", "ties", "mixed"]))
-def test_top_p_keeps_what_a_full_sort_keeps_in_any_batch(seed, rows, top_p, shape):
-    # The nucleus is searched among each row's most probable tokens (torch.topk, widening where they hold too little
-    # mass) instead of sorting the vocabulary; it must keep exactly the naive rule's tokens, each row alike whatever
-    # other rows share its batch (a tree's rows and plain decoding's one row sample the same tokens).
-    from trt_engines.sampling import nucleus_threshold
+       shape=st.sampled_from(["peaked", "flat", "ties", "mixed"]), vocab=st.sampled_from([5000, 49152]))
+def test_top_p_keeps_what_a_full_sort_keeps_in_any_batch(seed, rows, top_p, shape, vocab):
+    # The nucleus is searched among each row's most probable tokens (the CPU kernel and torch.topk, each widening
+    # where they hold too little mass) instead of sorting the vocabulary; both must keep exactly the naive rule's
+    # tokens, each row alike whatever other rows share its batch (a tree's rows and plain decoding's one row sample
+    # the same tokens).
+    from trt_engines.sampling import _nucleus_by_topk, nucleus_threshold
 
+    # (a flat row of SmolLM2's 49152 tokens holds its nucleus in thousands of tokens, whose prefix sums must be
+    # rounded as PyTorch's cumsum rounds them)
     rng = np.random.default_rng(seed)
-    vocab = 5000
     scale = {"peaked": 3.0, "flat": 0.05, "ties": 1.0, "mixed": 1.0}[shape]
     logits = rng.standard_normal((rows, vocab)) * scale
     if shape == "ties":
@@ -262,9 +264,53 @@ def test_top_p_keeps_what_a_full_sort_keeps_in_any_batch(seed, rows, top_p, shap
         logits[::2] *= 6.0  # peaked rows beside flat ones
     probs = torch.from_numpy(logits.astype(np.float32)).softmax(dim=-1)
     threshold = nucleus_threshold(probs, top_p)
+    assert torch.equal(_nucleus_by_topk(probs, top_p), threshold)
     for r in range(rows):
         assert torch.equal(probs[r] >= threshold[r], _nucleus_by_full_sort(probs[r], top_p))
         assert torch.equal(nucleus_threshold(probs[r : r + 1], top_p), threshold[r : r + 1])  # alone, the same
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), rows=st.integers(1, 6), vocab=st.sampled_from([1, 7, 300, 5000]),
+       zeros=st.floats(0.0, 0.99), floor_quantile=st.floats(0.0, 1.0))
+def test_draw_inverts_the_kept_cdf_in_any_batch(seed, rows, vocab, zeros, floor_quantile):
+    # The draw at uniform u is the first token whose cumulative kept mass (float64, vocabulary order) passes u times
+    # the row's kept mass; kept: probability > 0 and at least the row's floor. The CPU kernel sums in blocks, the
+    # PyTorch ops (CUDA's) over the whole vocabulary: both must pick the naive inversion's token, the first kept
+    # token at u = 0 and the last one at u just under 1, a row alone as in any batch.
+    from trt_engines.sampling import _draw_by_cumsum, draw_tokens
+
+    rng = np.random.default_rng(seed)
+    probs = rng.random((rows, vocab)).astype(np.float32) ** 4
+    probs[rng.random((rows, vocab)) < zeros] = 0.0  # top-k and temperature leave zeros
+    probs[np.arange(rows), rng.integers(0, vocab, rows)] = 1.0  # at least one kept token a row
+    floors = np.quantile(probs, floor_quantile, axis=-1, method="lower").astype(np.float32)
+    uniforms = np.concatenate([[0.0, 1.0 - 2.0**-53], rng.random(rows)])[rng.permutation(rows + 2)[:rows]]
+    kept = np.where((probs > 0) & (probs >= floors[:, None]), probs, 0.0).astype(np.float64)
+    cdf = np.cumsum(kept, axis=-1)
+    last_kept = vocab - 1 - np.argmax(kept[:, ::-1] > 0, axis=-1)
+    expected = np.minimum([np.searchsorted(c, u * c[-1], side="right") for c, u in zip(cdf, uniforms)], last_kept)
+    probs_t, floors_t = torch.from_numpy(probs), torch.from_numpy(floors)
+    drawn = draw_tokens(probs_t, floors_t, uniforms).numpy()
+    np.testing.assert_array_equal(drawn, expected)
+    np.testing.assert_array_equal(_draw_by_cumsum(probs_t, floors_t, uniforms).numpy(), expected)
+    assert (kept[np.arange(rows), drawn] > 0).all()
+    for r in range(rows):  # alone, the same
+        assert int(draw_tokens(probs_t[r : r + 1], floors_t[r : r + 1], uniforms[r : r + 1])[0]) == drawn[r]
+
+
+def test_sampling_a_row_of_nan_logits_is_token_zero_not_a_hang():
+    # A broken model's NaN logits must not send the CPU kernels' widening search into a loop or an index out of range.
+    from trt_engines.sampling import nucleus_threshold, sample_tokens
+
+    logits = torch.zeros(3, 1000)
+    logits[1] = float("nan")
+    for top_p in (1.0, 0.9):
+        tokens = sample_tokens(logits, SamplingParams(temperature=1.0, top_p=top_p, seed=1), 1, np.arange(3))
+        assert int(tokens[1]) == 0
+        assert 0 <= int(tokens[0]) < 1000 and 0 <= int(tokens[2]) < 1000
+    # a NaN beside real probabilities that hold less than top_p: the widening stops at every real token
+    assert nucleus_threshold(torch.tensor([[0.5, float("nan"), 0.2]]), 0.9).tolist() == [pytest.approx(0.2)]
 
 
 def test_seeded_sampling_is_reproducible(engine):

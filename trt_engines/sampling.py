@@ -4,7 +4,8 @@ A sampled request's token at a position is a draw from the target's filtered dis
 top-k, top-p) by inverting its CDF at a uniform that depends on the request's seed and the position alone
 (`position_uniforms`). Every row is computed on its own, by the same code whatever else shares its batch, so a draft
 tree's node samples what plain decoding samples at that position: speculation returns plain decoding's very tokens.
-`benchmarks/results/sampling.md` times it on the default model's logits.
+On the CPU two numba kernels find the nucleus and invert the CDF; elsewhere PyTorch ops do the same, with the same
+results to rounding. `benchmarks/results/sampling.md` times both ways on the default model's logits.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import math
 
 import numpy as np
 import torch
+from numba import njit, prange
 from torch import Tensor
 
 from trt_engines.base import SamplingParams
@@ -47,17 +49,28 @@ def position_uniforms(seed: int, positions: np.ndarray) -> np.ndarray:
     return (mixed >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
 
 
-def nucleus_threshold(probs: Tensor, top_p: float, *, first_k: int = 64) -> Tensor:
-    """Per row of `probs` [R, V], the smallest probability in its nucleus: the most probable tokens, in descending
-    order, while the mass before each is below `top_p` (at least one). Top-p sampling keeps every token at least that
-    probable, ties at the edge included, so the kept set does not depend on how a sort orders equal probabilities.
+def nucleus_threshold(probs: Tensor, top_p: float) -> Tensor:
+    """Per row of `probs` [R, V] (fp32), the smallest probability in its nucleus: the most probable tokens, in
+    descending order, while the mass before each is below `top_p` (at least one; the prefix sums of PyTorch's cumsum
+    over a full sort). Top-p sampling keeps every token at least that probable, ties at the edge included, so the kept set does
+    not depend on how a sort orders equal probabilities. Returns [R].
 
-    The nucleus is found among each row's `first_k` most probable tokens (`torch.topk`), and among 16 times as many
-    for the rows whose top `first_k` hold less than `top_p` of the mass, and so on. A full sort of the vocabulary
-    (49152 tokens) cost 4.8 ms a row on the 2-core AVX2 EPYC, ten times the rest of sampling, and 38.6 ms for a
-    16-node tree's 17 rows, against 1.3 and 9.2 ms this way (`benchmarks/results/sampling.md`)."""
+    Neither way sorts the vocabulary: a full sort (49152 tokens) cost 4.8 ms a row on the 2-core AVX2 EPYC, and 38.6
+    ms for a 16-node tree's 17 rows (`benchmarks/results/sampling.md`). On the CPU a numba kernel sorts only the
+    tokens within a factor 16, 256, ... of the row's most probable one, until they hold `top_p` (`_nucleus_floors`);
+    elsewhere `torch.topk` widens the same way (`_nucleus_by_topk`)."""
+    if probs.device.type == "cpu":
+        floors = np.empty(probs.shape[0], np.float32)
+        _nucleus_floors(probs.contiguous().numpy(), np.float32(top_p), floors)
+        return torch.from_numpy(floors)
+    return _nucleus_by_topk(probs, top_p)
+
+
+def _nucleus_by_topk(probs: Tensor, top_p: float, *, first_k: int = 64) -> Tensor:
+    """`nucleus_threshold` in PyTorch ops: among each row's `first_k` most probable tokens (`torch.topk`), and among
+    16 times as many for the rows whose top `first_k` hold less than `top_p` of the mass, and so on."""
     rows, vocab = probs.shape
-    threshold = torch.empty(rows, 1, dtype=probs.dtype, device=probs.device)
+    threshold = torch.empty(rows, dtype=probs.dtype, device=probs.device)
     left = torch.arange(rows, device=probs.device)
     k = min(first_k, vocab)
     while left.numel():
@@ -66,10 +79,54 @@ def nucleus_threshold(probs: Tensor, top_p: float, *, first_k: int = 64) -> Tens
         # the prefix sums of a full sort's first k, to the bit: the same values added in the same order
         inside = (mass - top < top_p).sum(dim=-1).clamp(min=1)
         done = (mass[:, -1] >= top_p) | (k == vocab)  # the nucleus ends within these k
-        threshold[left[done]] = top[done].gather(-1, (inside[done] - 1).unsqueeze(-1))
+        threshold[left[done]] = top[done].gather(-1, (inside[done] - 1).unsqueeze(-1))[:, 0]
         left = left[~done]
         k = min(16 * k, vocab)
     return threshold
+
+
+@njit(parallel=True, boundscheck=False, cache=True)
+def _nucleus_floors(probs, top_p, out):
+    """`nucleus_threshold` on the CPU into `out`. Per row: its maximum, then the tokens at least a 16th as probable,
+    and the mass they hold, in one pass; where that reaches `top_p`, only they are sorted and their prefix sums
+    taken as PyTorch's cumsum of a full sort would take them, to the bit, else the cutoff drops 16-fold. Those
+    prefix sums decide: where they fall short of `top_p` by rounding, the cutoff drops too (down to every token).
+    A row without a positive maximum (NaN logits) gets a floor of 0; NaNs beside it are never candidates."""
+    rows, vocab = probs.shape
+    for r in prange(rows):
+        row = probs[r]
+        top = row[0]
+        for v in range(1, vocab):
+            top = max(top, row[v])
+        if not top > 0.0:
+            out[r] = 0.0
+            continue
+        cutoff = top / np.float32(16.0)
+        while True:
+            count, mass = 0, 0.0
+            for v in range(vocab):
+                if row[v] >= cutoff:
+                    count += 1
+                    mass += row[v]
+            final = count == vocab or cutoff == 0.0  # every token with a probability in it
+            if mass >= top_p or final:
+                candidates = np.empty(count, np.float32)
+                i = 0
+                for v in range(vocab):
+                    if row[v] >= cutoff:
+                        candidates[i] = row[v]
+                        i += 1
+                candidates.sort()
+                running = 0.0  # PyTorch's CPU cumsum of fp32: a float64 running sum, each prefix rounded to fp32
+                inside = 0
+                for j in range(count - 1, -1, -1):  # descending
+                    running += candidates[j]
+                    if np.float32(np.float32(running) - candidates[j]) < top_p:  # `_nucleus_by_topk`'s mass before
+                        inside += 1
+                if np.float32(running) >= top_p or final:
+                    out[r] = candidates[count - max(inside, 1)]
+                    break
+            cutoff = cutoff / np.float32(16.0)
 
 
 def sample_tokens(logits: Tensor, params: SamplingParams, seed: int | None, positions: np.ndarray) -> Tensor:
@@ -90,11 +147,98 @@ def sample_tokens(logits: Tensor, params: SamplingParams, seed: int | None, posi
     if 0 < params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, -math.inf)
-    if params.top_p < 1.0:
-        probs = logits.softmax(dim=-1)
-        logits = logits.masked_fill(probs < nucleus_threshold(probs, params.top_p), -math.inf)
-    cdf = logits.softmax(dim=-1).double().cumsum(dim=-1)
-    uniforms = torch.from_numpy(position_uniforms(seed, positions)).to(cdf.device)
+    probs = logits.softmax(dim=-1)
+    # top-p keeps the tokens at least as probable as the nucleus's least probable one; the draw renormalizes them
+    floors = nucleus_threshold(probs, params.top_p) if params.top_p < 1.0 else None
+    return draw_tokens(probs, floors, position_uniforms(seed, positions))
+
+
+def compile_cpu_kernels() -> None:
+    """Compile the CPU sampler's kernels (about 8 s on the 2-core AVX2 EPYC without numba's cache) or load them
+    from the cache, so a server pays that at start-up rather than at its first sampled request, stalling its batch."""
+    sample_tokens(torch.zeros(1, 8), SamplingParams(temperature=1.0, top_p=0.5), 0, np.zeros(1, np.int64))
+
+
+def draw_tokens(probs: Tensor, floors: Tensor | None, uniforms: np.ndarray) -> Tensor:
+    """Per row r of `probs` [R, V] (fp32), the token whose cumulative kept mass first passes `uniforms[r]` times the
+    row's kept mass, in vocabulary order (float64 sums); kept: probability > 0 and >= `floors[r]` (None: every
+    token). Renormalizing by that mass samples the filtered distribution without a second softmax. On the CPU a
+    numba kernel (`_invert_cdfs`), elsewhere PyTorch's cumsum; each row's draw depends on that row alone either way."""
+    if probs.device.type == "cpu":
+        tokens = np.empty(probs.shape[0], np.int64)
+        floors = np.zeros(probs.shape[0], np.float32) if floors is None else floors.contiguous().numpy()
+        _invert_cdfs(probs.contiguous().numpy(), floors, np.ascontiguousarray(uniforms, np.float64), tokens)
+        return torch.from_numpy(tokens)
+    return _draw_by_cumsum(probs, floors, uniforms)
+
+
+def _draw_by_cumsum(probs: Tensor, floors: Tensor | None, uniforms: np.ndarray) -> Tensor:
+    """`draw_tokens` in PyTorch ops (CUDA): a float64 CDF over the whole vocabulary, searched."""
+    kept = probs if floors is None else torch.where(probs >= floors[:, None], probs, 0.0)
+    cdf = kept.double().cumsum(dim=-1)
+    target = torch.from_numpy(np.asarray(uniforms, np.float64)).to(cdf.device) * cdf[:, -1]
     # the first token whose cumulative mass passes u times the total: one with mass > 0, as the CDF rises there
-    tokens = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(-1), right=True)[:, 0]
+    tokens = torch.searchsorted(cdf, target.unsqueeze(-1), right=True)[:, 0]
     return torch.minimum(tokens, (cdf < cdf[:, -1:]).sum(dim=-1))  # a rounding at the very top: the last such token
+
+
+_CDF_BLOCK = 256  # tokens per partial sum of `_invert_cdfs`: 192 blocks over SmolLM2's vocabulary
+
+
+@njit(inline="always")
+def _kept_mass(p, floor):
+    return p if p >= floor and p > 0.0 else 0.0
+
+
+@njit(inline="always")
+def _block_mass(row, floor, start, stop):
+    """The kept mass of row[start:stop] in float64, over four running sums (a chain of dependent adds per token
+    was most of the kernel's time)."""
+    a0 = a1 = a2 = a3 = 0.0
+    v = start
+    while v + 4 <= stop:
+        a0 += _kept_mass(row[v], floor)
+        a1 += _kept_mass(row[v + 1], floor)
+        a2 += _kept_mass(row[v + 2], floor)
+        a3 += _kept_mass(row[v + 3], floor)
+        v += 4
+    while v < stop:
+        a0 += _kept_mass(row[v], floor)
+        v += 1
+    return (a0 + a1) + (a2 + a3)
+
+
+@njit(parallel=True, boundscheck=False, cache=True)
+def _invert_cdfs(probs, floors, uniforms, out):
+    """`draw_tokens` on the CPU into `out`: one fused pass of float64 block sums over each row, then a scan of the
+    one block the draw falls in, where PyTorch took a masked copy, a float64 copy, a cumsum over the whole vocabulary
+    and a search (about 3 of 7.4 ms for 17 rows at top_p 0.95, with the second softmax this kernel makes needless).
+    Each row is computed alone, in the same order whatever else the batch holds. Where rounding leaves the draw
+    past the block sums' or the block's last sum, it is the last kept token before that point; a row with no kept
+    mass (NaN logits) draws token 0."""
+    rows, vocab = probs.shape
+    blocks = (vocab + _CDF_BLOCK - 1) // _CDF_BLOCK
+    for r in prange(rows):
+        row, floor = probs[r], floors[r]
+        sums = np.empty(blocks)
+        total = 0.0
+        for b in range(blocks):
+            sums[b] = _block_mass(row, floor, b * _CDF_BLOCK, min(vocab, (b + 1) * _CDF_BLOCK))
+            total += sums[b]
+        target = uniforms[r] * total
+        chosen, block, before, passed = 0, -1, 0.0, 0.0
+        for b in range(blocks):
+            if sums[b] > 0.0:
+                block, before = b, passed
+                if passed + sums[b] > target:
+                    break
+                passed += sums[b]
+        if block >= 0:
+            for v in range(block * _CDF_BLOCK, min(vocab, (block + 1) * _CDF_BLOCK)):
+                p = _kept_mass(row[v], floor)
+                if p > 0.0:
+                    chosen = v
+                    before += p
+                    if before > target:
+                        break
+        out[r] = chosen

@@ -172,6 +172,10 @@ class ServingStack:
                                  num_blocks=config.num_blocks, block_size=config.block_size,
                                  max_context=config.max_context, cpu_kernels=config.cpu_kernels,
                                  prefix_caching=config.prefix_caching, torch_threads=config.torch_threads)
+            if engine.device.type == "cpu":
+                from trt_engines.sampling import compile_cpu_kernels
+
+                compile_cpu_kernels()
             drafter = make_drafter(config, datastores)
             shape = ModelShape.from_config(model_dir)
             if config.hardware == "measure":
