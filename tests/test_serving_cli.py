@@ -97,12 +97,15 @@ def test_serve_both_front_ends_then_graceful_sigterm(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--micro-batches", "0"], "micro_batches must be an int >= 1"),
-    (["--micro-batches", "two"], "invalid int value: 'two'"),
+    # range errors name the flag, not the config field behind it (`max_running must be an int >= 1` before)
+    (["--micro-batches", "0"], "argument --micro-batches: expected a whole number >= 1, got '0'"),
+    (["--micro-batches", "two"], "argument --micro-batches: expected a whole number >= 1, got 'two'"),
     (["--hardware", "H999"], "unknown hardware 'H999': use one of H100-SXM"),
-    (["--max-running", "0"], "max_running must be an int >= 1; got 0"),
-    (["--num-blocks", "0"], "num_blocks must be an int >= 1 (or None); got 0"),
-    (["--model-name="], "model_name must not be empty"),
+    (["--max-running", "0"], "argument --max-running: expected a whole number >= 1, got '0'"),
+    (["--num-blocks", "0"], "argument --num-blocks: expected a whole number >= 1, got '0'"),
+    (["--max-context", "1"], "argument --max-context: expected a whole number >= 2, got '1'"),
+    (["--max-body-bytes", "512"], "argument --max-body-bytes: expected a whole number >= 1024, got '512'"),
+    (["--model-name="], "argument --model-name: expected a name clients send as the OpenAI `model`, got ''"),
     (["--prefill-chunk", "-8"], "prefill_chunk must be 'auto', an int >= 1"),
     (["--prefill-chunk", "whole"], "expected auto, 0 (whole prompts) or prompt tokens per step, got 'whole'"),
     (["--draft-timeout-ms", "-1"], "--draft-timeout-ms: expected milliseconds > 0 (leave it out for no timeout), "

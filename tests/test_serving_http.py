@@ -140,6 +140,13 @@ BAD = [  # (case, body, status, a phrase of the message, OpenAI's `param`: the r
     # a field of the wrong type is the client's error (a number as `stop` was a 500, an object's keys were stops)
     ("stop a number", completion("hi", stop=5), 400, "stop must be", "stop"),
     ("stop an object", completion("hi", stop={"a": 1}), 400, "stop must be", "stop"),
+    # falsy values of the wrong type too (0, false and "" read as "no stop", a false top_k as no top-k)
+    ("stop zero", completion("hi", stop=0), 400, "stop must be", "stop"),
+    ("stop false", completion("hi", stop=False), 400, "stop must be", "stop"),
+    ("stop empty", completion("hi", stop=""), 400, "non-empty", "stop"),
+    ("stop empty in a list", completion("hi", stop=["a", ""]), 400, "non-empty", "stop"),
+    ("top_k false", completion("hi", top_k=False), 400, "top_k", "top_k"),
+    ("top_k a string", completion("hi", top_k=""), 400, "top_k", "top_k"),
     ("seed not an integer", completion("hi", seed="7"), 400, "seed", "seed"),
     ("max_completion_tokens of zero", completion("hi", max_completion_tokens=0), 400, "max_tokens",
      "max_completion_tokens"),
@@ -172,11 +179,13 @@ def test_fields_sent_at_their_defaults_are_served(server):
     # Clients often send every field, unset ones as null or their default; null max_tokens is OpenAI's 16 here.
     assert MAX_TOKENS == 16
     defaults = completion(server["prompts"][0], max_tokens=None, logprobs=None, echo=False, presence_penalty=0,
-                          frequency_penalty=0.0, n=1, stream=False, ignore_eos=False, seed=None, top_p=None)
+                          frequency_penalty=0.0, n=1, stream=False, ignore_eos=False, seed=None, top_p=None,
+                          stop=None, top_k=None)
     with httpx.Client(base_url=server["url"], timeout=60) as client:
-        response = client.post("/v1/completions", json=defaults)
-    assert response.status_code == 200, response.text
-    assert response.json()["choices"][0]["token_ids"] == server["reference"][0]
+        for body in (defaults, {**defaults, "stop": [], "top_k": 0}):
+            response = client.post("/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+            assert response.json()["choices"][0]["token_ids"] == server["reference"][0]
 
 
 def test_chat_reads_text_parts_and_replies_to_eos_without_max_tokens(server):

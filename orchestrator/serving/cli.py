@@ -20,7 +20,8 @@ from trt_engines.base import CPU_KERNEL_CHOICES
 def _config_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model and scheduling")
     g.add_argument("--model", default="default", help="model name or folder (default: the prepared default model)")
-    g.add_argument("--model-name", default="retrospec", help="the model name clients send (OpenAI `model`)")
+    g.add_argument("--model-name", type=model_name_arg, default="retrospec",
+                   help="the model name clients send (OpenAI `model`)")
     g.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     g.add_argument("--cpu-kernels", default="auto", choices=CPU_KERNEL_CHOICES,
@@ -30,25 +31,48 @@ def _config_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse earlier requests' KV blocks for repeated prompt prefixes (default: on where the numba "
                    "kernels prefill, which makes reuse exact)")
-    g.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks (default: 8 full contexts)")
-    g.add_argument("--max-context", type=int, default=2048)
+    g.add_argument("--num-blocks", type=int_at_least(1), default=None,
+                   help="KV-cache blocks (default: 8 full contexts)")
+    g.add_argument("--max-context", type=int_at_least(2), default=2048)
     g.add_argument("--datastore", action="append", default=None,
                    help="datastore folder (repeatable; default: the default datastore if built)")
     g.add_argument("--policy", default="goodput", help="speculation budget: goodput, roofline, fixed:B or none")
-    g.add_argument("--max-running", type=int, default=32)
+    g.add_argument("--max-running", type=int_at_least(1), default=32)
     g.add_argument("--hardware", default="measure", help="measure (profile at start-up), nominal, a known name "
                    "(H100-SXM, ...) or a profile JSON")
     g.add_argument("--no-fit", action="store_true", help="skip the start-up fit of the step-time model")
-    g.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    g.add_argument("--max-body-bytes", type=int_at_least(1024), default=1 << 20)
     g.add_argument("--draft-timeout-ms", type=draft_timeout_ms_arg, default=None,
                    help="a drafting call slower than this makes its step plain decoding (default: no timeout)")
-    g.add_argument("--micro-batches", type=int, default=None,
+    g.add_argument("--micro-batches", type=int_at_least(1), default=None,
                    help="split the running batch into this many micro-batches that take turns, one drafted while "
                    "another is verified (SPIN); 1: never (default: decide each step; never on a CPU-only machine)")
     g.add_argument("--prefill-chunk", type=prefill_chunk_arg, default="auto",
                    help="chunked prefill: prompt tokens a step may compute, so a long prompt is prefilled over several "
                    "steps while the running requests keep decoding; 0: whole prompts at admission (default: auto, "
                    "256 where chunks change no bit: bf16 on the CPU; whole prompts elsewhere)")
+
+
+def int_at_least(least: int):
+    """An argparse type: a whole number >= `least`, refused in the flag's own words (the config's checks would name
+    its field instead)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < least:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {least}, got {text!r}")
+        return value
+
+    return parse
+
+
+def model_name_arg(text: str) -> str:
+    """A --model-name argument: not empty (clients send it as the OpenAI `model`)."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a name clients send as the OpenAI `model`, got ''")
+    return text
 
 
 def draft_timeout_ms_arg(text: str) -> float:

@@ -216,16 +216,17 @@ def _build(stack: ServingStack, body: dict, *, chat: bool, **prompt) -> Generati
     if tpot_ms is not None and (isinstance(tpot_ms, bool) or not isinstance(tpot_ms, (int, float)) or
                                 not tpot_ms > 0):
         raise ApiError(400, f"tpot_ms must be a positive number of milliseconds; got {tpot_ms!r}", param="tpot_ms")
-    stop = body.get("stop") or ()
+    # null alone is "none": a falsy value of the wrong type (0, false, "") is refused as its truthy kin are
+    stop = body.get("stop")
     try:
         return stack.make_request(
             **prompt,
             max_tokens=_max_tokens(body, chat=chat),
             temperature=body.get("temperature", 1.0) if body.get("temperature") is not None else 1.0,
             top_p=body.get("top_p", 1.0) if body.get("top_p") is not None else 1.0,
-            top_k=body.get("top_k", 0) or 0,
+            top_k=body.get("top_k") if body.get("top_k") is not None else 0,
             seed=body.get("seed"),
-            stop=stop,
+            stop=() if stop is None else stop,
             tpot_s=None if tpot_ms is None else tpot_ms / 1e3,
             ignore_eos=bool(body.get("ignore_eos")),
             cache_salt=body.get("cache_salt"),
