@@ -51,9 +51,9 @@ def position_uniforms(seed: int, positions: np.ndarray) -> np.ndarray:
 
 def nucleus_threshold(probs: Tensor, top_p: float) -> Tensor:
     """Per row of `probs` [R, V] (fp32), the smallest probability in its nucleus: the most probable tokens, in
-    descending order, while the mass before each is below `top_p` (at least one; the prefix sums of PyTorch's cumsum
-    over a full sort). Top-p sampling keeps every token at least that probable, ties at the edge included, so the kept set does
-    not depend on how a sort orders equal probabilities. Returns [R].
+    descending order, while the mass before each is below `top_p` (at least one; the prefix sums of PyTorch's
+    cumsum over a full sort). Top-p sampling keeps every token at least that probable, ties at the edge included, so
+    the kept set does not depend on how a sort orders equal probabilities. Returns [R].
 
     Neither way sorts the vocabulary: a full sort (49152 tokens) cost 4.8 ms a row on the 2-core AVX2 EPYC, and 38.6
     ms for a 16-node tree's 17 rows (`benchmarks/results/sampling.md`). On the CPU a numba kernel sorts only the
@@ -143,7 +143,7 @@ def sample_tokens(logits: Tensor, params: SamplingParams, seed: int | None, posi
     random."""
     if params.greedy:
         return torch.from_numpy(greedy_tokens(logits))
-    logits = logits / params.temperature
+    logits = logits.float() / params.temperature  # the kernels take fp32 (a no-op for the engine's fp32 logits)
     if 0 < params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, -math.inf)
