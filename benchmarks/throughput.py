@@ -46,12 +46,14 @@ from orchestrator.serving.cli import prefill_chunk_arg
 from orchestrator.serving.stack import serving_prefill_chunk
 from tools.prompt_sets import PROMPT_SETS
 from tools.trajectories import load_trajectories, spread, trajectory_path
-from trt_engines.base import CPU_KERNEL_CHOICES
+from trt_engines.base import CPU_KERNEL_CHOICES, InvalidField, SamplingParams
 from trt_engines.cpu_kernels import cpu_description
 from trt_engines.prepare import resolve_model_dir
 from trt_engines.torch_engine import TorchEngine
 
 POLICIES = ("none", "fixed:4", "fixed:16", "fixed:32", "roofline", "goodput")
+GREEDY = SamplingParams()
+SEED_BASE = 1000  # a sampled row's request i is seeded SEED_BASE + i, under every policy alike
 
 
 def build_stack(dtype: torch.dtype, *, num_blocks: int, max_nodes: int = 64, window: int = 512,
@@ -88,7 +90,7 @@ class PolicyRun:
 
     def __init__(self, engine, drafter, step_model, policy: str, prompts: list[np.ndarray], *, cap: int,
                  max_tokens: int, lengths: list[int] | None = None, micro_batches: int | None = None,
-                 tag: str | None = None, prefill_chunk: int | None = None):
+                 tag: str | None = None, prefill_chunk: int | None = None, sampling: SamplingParams = GREEDY):
         self.elapsed = 0.0
         self.step_started: float | None = None
         # Each controller owns its step-time model, as a served orchestrator does: the start-up fit, then refit
@@ -108,11 +110,11 @@ class PolicyRun:
         # `lengths`: exactly that many tokens per request, EOS ignored (the same work for every policy). The salt
         # keeps each policy's prompts in its own prefix cache: they share the chat template's blocks with each other,
         # as a served batch does, but never a prompt another policy prefilled.
-        requests = [GenerationRequest(prompt_ids=tuple(int(t) for t in p), max_tokens=max_tokens, cache_salt=tag)
-                    if lengths is None else
-                    GenerationRequest(prompt_ids=tuple(int(t) for t in p), max_tokens=n, ignore_eos=True,
-                                      cache_salt=tag)
-                    for p, n in zip(prompts, lengths or [max_tokens] * len(prompts))]
+        # Sampled, request i draws with seed SEED_BASE + i under every policy: lossless speculation then returns
+        # `none`'s very tokens (`trt_engines.sampling`), so the policies still do the same work.
+        requests = [GenerationRequest(prompt_ids=tuple(int(t) for t in p), max_tokens=n, ignore_eos=lengths is not None,
+                                      cache_salt=tag, sampling=_seeded(sampling, i))
+                    for i, (p, n) in enumerate(zip(prompts, lengths or [max_tokens] * len(prompts)))]
         self.ids = [self.orchestrator.submit(r, self.collect, request_id=f"{tag}-p{i}") for i, r in enumerate(requests)]
 
     def clock(self) -> float:
@@ -139,9 +141,13 @@ class PolicyRun:
         self.step_started = None
 
 
+def _seeded(sampling: SamplingParams, i: int) -> SamplingParams:
+    return sampling if sampling.greedy else dataclasses.replace(sampling, seed=SEED_BASE + i)
+
+
 def serve_side_by_side(engine, drafter, step_model, policies: list[str], prompts: list[np.ndarray], *, cap: int,
-                       max_tokens: int, lengths: list[int] | None = None,
-                       prefill_chunk: int | str | None = "auto") -> dict[str, dict]:
+                       max_tokens: int, lengths: list[int] | None = None, prefill_chunk: int | str | None = "auto",
+                       sampling: SamplingParams = GREEDY) -> dict[str, dict]:
     """Serve every prompt (all arriving at t=0, at most `cap` running) with every policy at once, interleaved step by
     step: the next step is always the one of the policy furthest behind in its own work (tokens generated / tokens
     to generate), each policy timed on its own clock (the sum of its own steps' wall time).
@@ -158,6 +164,7 @@ def serve_side_by_side(engine, drafter, step_model, policies: list[str], prompts
     drafts with its own `drafter.fresh()`: an output history shared between policies would let one draft a prompt
     from another's output for the same prompt.
     `lengths` (per prompt) fixes every request's output length, EOS ignored; otherwise up to `max_tokens` or EOS.
+    `sampling`: every request's (greedy by default; sampled, request i is seeded SEED_BASE + i).
     `prefill_chunk`: the orchestrators' ("auto": what the server runs on this engine, `serving_prefill_chunk`).
     Chunked, a group's admissions are many short steps that take turns with the other policies' steps, instead of
     one long step per policy. Whole, the first step at cap 32 admitted 32 prompts (half the group's prefill, 2-8 s),
@@ -169,7 +176,7 @@ def serve_side_by_side(engine, drafter, step_model, policies: list[str], prompts
     prefill_chunk = serving_prefill_chunk(prefill_chunk, engine)
     engine.reset_prefix_cache()  # an earlier run's blocks of these prompts would make their prefills free
     runs = {p: PolicyRun(engine, drafter.fresh(), step_model, p, prompts, cap=cap, max_tokens=max_tokens,
-                         lengths=lengths, prefill_chunk=prefill_chunk)
+                         lengths=lengths, prefill_chunk=prefill_chunk, sampling=sampling)
             for p in policies}
     interleave(list(runs.values()))
     return {p: _summarize_run(r) for p, r in runs.items()}
@@ -184,10 +191,10 @@ def interleave(runs: list[PolicyRun]) -> None:
 
 
 def serve(engine, drafter, step_model, policy: str, prompts: list[np.ndarray], *, cap: int, max_tokens: int,
-          prefill_chunk: int | str | None = "auto"):
+          prefill_chunk: int | str | None = "auto", sampling: SamplingParams = GREEDY):
     """Serve every prompt with one policy alone; per-request outputs and timings."""
     return serve_side_by_side(engine, drafter, step_model, [policy], prompts, cap=cap, max_tokens=max_tokens,
-                              prefill_chunk=prefill_chunk)[policy]
+                              prefill_chunk=prefill_chunk, sampling=sampling)[policy]
 
 
 def _summarize_run(run: PolicyRun) -> dict:
@@ -247,7 +254,7 @@ def group_sample(trajectories: list, cap: int, prompts_per_cap) -> list:
 
 def run(sets: list[str], caps: list[int], policies: list[str], *, prompts_per_cap, max_tokens: int,
         identity_prompts: int, rounds: int = 1, cpu_kernels: str = "auto",
-        prefill_chunk: int | str | None = "auto") -> dict:
+        prefill_chunk: int | str | None = "auto", sampling: SamplingParams = GREEDY) -> dict:
     """Every (set, cap) serves its prompts with all policies side by side (`serve_side_by_side`), `rounds` times;
     a row reports its fastest round."""
     torch.set_num_threads(os.cpu_count() or 2)
@@ -275,7 +282,7 @@ def run(sets: list[str], caps: list[int], policies: list[str], *, prompts_per_ca
                 order = policies[r % len(policies):] + policies[: r % len(policies)]
                 for policy, result in serve_side_by_side(engine, drafter, step_model, order, prompts, cap=cap,
                                                          max_tokens=max_tokens, lengths=lengths,
-                                                         prefill_chunk=chunk).items():
+                                                         prefill_chunk=chunk, sampling=sampling).items():
                     runs[policy].append(result)
             reference = runs["none"][0]["outputs"] if "none" in runs else None
             group = []
@@ -316,7 +323,7 @@ def run(sets: list[str], caps: list[int], policies: list[str], *, prompts_per_ca
     identity_prompts_ids = [t.prompt_ids for name in sets
                             for t in load_trajectories(trajectory_path(name, "eval"))[:per_set]]
     identity = (identity_check(identity_prompts_ids, policies, max_tokens=min(max_tokens, 48),
-                               prefill_chunk=prefill_chunk) if identity_prompts else None)
+                               prefill_chunk=prefill_chunk, sampling=sampling) if identity_prompts else None)
     return {"rows": rows, "bf16_divergences": divergences, "step_fit_error": fit_error,
             "batch_invariant": engine.batch_invariant,
             "cpu_kernels": engine.cpu_kernels,  # where numba kernels run (`TorchEngine`): "numba", "attention" or "torch"
@@ -324,6 +331,8 @@ def run(sets: list[str], caps: list[int], policies: list[str], *, prompts_per_ca
             "prompt_sample": "spread",  # a row's prompts: `tools.trajectories.spread` over the eval set
             "interleave": "progress",  # `serve_side_by_side`: the policy furthest behind steps next (was: in turns)
             "prefill_chunk": chunk,  # prompt tokens a step prefilled at most (None: whole prompts at admission)
+            "sampling": None if sampling.greedy else {"temperature": sampling.temperature, "top_p": sampling.top_p,
+                                                      "top_k": sampling.top_k, "seed_base": SEED_BASE},
             "step_model_median_abs_err": float(np.median(all_errors)) if all_errors else None,
             "identity": identity, "rounds": rounds, "group_fits": group_fits,
             "hardware": dataclasses.asdict(step_model.hardware),
@@ -359,19 +368,21 @@ def fit_host_overhead(host_steps: list[tuple[int, float]]) -> list[float]:
 
 def identity_check(prompts: list[np.ndarray], policies: list[str], *, max_tokens: int, cap: int = 8,
                    dtype: torch.dtype = torch.float32, batch_invariant: bool | None = None,
-                   cpu_kernels: str = "auto", prefill_chunk: int | str | None = "auto") -> dict:
+                   cpu_kernels: str = "auto", prefill_chunk: int | str | None = "auto",
+                   sampling: SamplingParams = GREEDY) -> dict:
     """Every policy's outputs against `none`'s, token for token (fp32: they must all be equal); for each output that
-    differs, the top-2 logit gap at the first differing position."""
+    differs, the top-2 logit gap at the first differing position. `sampling`: the requests' (seeded as
+    `serve_side_by_side` seeds them, so sampled outputs must be equal too)."""
     engine, drafter, step_model, _ = build_stack(dtype, num_blocks=4096, batch_invariant=batch_invariant,
                                                  cpu_kernels=cpu_kernels)
     reference = serve(engine, drafter, step_model, "none", prompts, cap=cap, max_tokens=max_tokens,
-                      prefill_chunk=prefill_chunk)["outputs"]
+                      prefill_chunk=prefill_chunk, sampling=sampling)["outputs"]
     per_policy, gaps = {}, []
     for policy in policies:
         if policy == "none":
             continue
         outs = serve(engine, drafter.fresh(), step_model, policy, prompts, cap=cap, max_tokens=max_tokens,
-                     prefill_chunk=prefill_chunk)["outputs"]
+                     prefill_chunk=prefill_chunk, sampling=sampling)["outputs"]
         same = [a == b for a, b in zip(reference, outs)]
         per_policy[policy] = {"identical": int(sum(same)), "compared": len(same)}
         gaps += [first_divergence_gap(engine, p, a, b)["top2_logit_gap"]
@@ -431,7 +442,10 @@ def write_markdown(path: Path, result: dict) -> None:
         + (f", and a step prefills at most {result['prefill_chunk']} prompt tokens (chunked prefill, as the server runs "
            "this engine). " if result.get("prefill_chunk") else ". ")
         + ("A row's prompts are spread evenly over the set's eval prompts (for MT-Bench: every category)."
-           if result.get("prompt_sample") == "spread" else "A row's prompts are the set's first eval prompts."),
+           if result.get("prompt_sample") == "spread" else "A row's prompts are the set's first eval prompts.")
+        + (f" Sampled, not greedy: temperature {result['sampling']['temperature']}, top_p "
+           f"{result['sampling']['top_p']}; request i of a row is seeded {result['sampling']['seed_base']} + i under "
+           "every policy, so lossless speculation returns `none`'s very tokens." if result.get("sampling") else ""),
         ("All policies of a (set, cap) run side by side, interleaved step by step: the policy furthest behind in its "
          "own work (share of its tokens generated) steps next, so all finish together; each is timed on its own clock "
          "(the sum of its own steps' wall time), so background load on this shared machine hits them alike "
@@ -527,6 +541,9 @@ def check_replaceable(name: str, shapes: dict[tuple[str, int], list[tuple[str, i
     if old.get("prefill_chunk") != new.get("prefill_chunk"):
         raise SystemExit(f"--replace-groups: {path.name} prefilled {old.get('prefill_chunk') or 'whole'} prompt tokens "
                          f"per step; pass --prefill-chunk {old.get('prefill_chunk') or 0}")
+    if old.get("sampling") != new.get("sampling"):
+        raise SystemExit(f"--replace-groups: {path.name} sampled with {old.get('sampling') or 'greedy decoding'}; "
+                         "pass the same --temperature and --top-p")
     if _kernel_mode(old) != _kernel_mode(new):
         raise SystemExit(f"--replace-groups: {path.name} ran its engine with cpu_kernels {_kernel_mode(old)!r}; pass "
                          f"--cpu-kernels {_kernel_mode(old)}")
@@ -633,6 +650,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-chunk", type=prefill_chunk_arg, default="auto",
                         help="prompt tokens a step may prefill; 0: whole prompts at admission (default: auto, what the "
                         "server runs on this engine: 256 for bf16 on the CPU, whole prompts in fp32)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sample every request at this temperature (default 0: greedy); request i of a row is "
+                        f"seeded {SEED_BASE} + i under every policy, so their outputs must still equal `none`'s")
+    parser.add_argument("--top-p", type=float, default=1.0, help="with --temperature: the nucleus (default 1: none)")
     args = parser.parse_args(argv)
     if args.quick:
         args.sets, args.caps = ["grounded", "mtbench"], [1, 4]
@@ -667,6 +688,12 @@ def main(argv: list[str] | None = None) -> int:
             check_prefill_chunk(args.prefill_chunk)
         except ValueError as exc:
             parser.error(f"--prefill-chunk: {exc}")
+    try:
+        sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p)
+    except InvalidField as exc:
+        parser.error(f"--{exc.field.replace('_', '-')}: {exc}")
+    if args.top_p != 1.0 and sampling.greedy:
+        parser.error("--top-p samples only with a --temperature above 0 (greedy decoding has no nucleus)")
     if args.name is not None and (problem := result_name_problem(args.name)):
         parser.error(f"--name {problem}")
     name = args.name or ("throughput_quick" if args.quick else "throughput")
@@ -676,7 +703,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     result = run(args.sets, args.caps, args.policies, prompts_per_cap=prompts_per_cap, max_tokens=args.max_tokens,
                  identity_prompts=0 if args.replace_groups else args.identity_prompts, rounds=args.rounds,
-                 cpu_kernels=args.cpu_kernels, prefill_chunk=args.prefill_chunk)
+                 cpu_kernels=args.cpu_kernels, prefill_chunk=args.prefill_chunk, sampling=sampling)
     command = recorded_command(argv if argv is not None else sys.argv[1:])
     result["max_tokens"] = args.max_tokens
     result["seconds"] = round(time.perf_counter() - started, 1)

@@ -31,6 +31,10 @@ def refused_before_running(monkeypatch, owner, measuring: str, main, argv: list[
     (["--name", "../elsewhere"], "--name '../elsewhere': a file name in benchmarks/results"),
     (["--prefill-chunk", "-8"], "--prefill-chunk: prefill_chunk must be an int >= 1 (prompt tokens per step)"),
     (["--prefill-chunk", "whole"], "expected auto, 0 (whole prompts) or prompt tokens per step, got 'whole'"),
+    (["--temperature", "-1"], "--temperature: temperature must be a finite number >= 0 (0 = greedy); got -1.0"),
+    (["--temperature", "nan"], "--temperature: temperature must be a finite number >= 0"),
+    (["--temperature", "0.8", "--top-p", "0"], "--top-p: top_p must lie in (0, 1] (1 = no nucleus cut); got 0.0"),
+    (["--top-p", "0.9"], "--top-p samples only with a --temperature above 0"),
 ])
 def test_throughput_refuses_bad_options_before_measuring(monkeypatch, capsys, argv, message):
     refused_before_running(monkeypatch, throughput, "run", throughput.main, argv)

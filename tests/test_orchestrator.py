@@ -166,6 +166,25 @@ def test_the_throughput_benchmark_keeps_its_policies_side_by_side_to_the_end(eng
     assert results["fixed:4"]["shared_steps_fraction"] >= 0.9
 
 
+def test_the_throughput_benchmark_samples_each_request_with_its_own_seed_under_every_policy(engine, datastore,
+                                                                                          prompt_ids, reference):
+    # `--temperature`: request i of a row is seeded SEED_BASE + i for every policy, so speculating policies return
+    # `none`'s sampled tokens (the benchmark's losslessness check under sampling), and two requests of one row draw
+    # with different seeds.
+    from benchmarks.throughput import serve_side_by_side
+
+    model = StepTimeModel(ModelShape.from_config(default_model_dir()), CPU, dtype="float32")
+    picked = [3, 3, 4]  # one prompt twice: its two requests must sample apart
+    results = serve_side_by_side(engine, Drafter(DrafterConfig(), datastores=[datastore]), model,
+                                 ["none", "fixed:4"], [np.asarray(prompt_ids[i]) for i in picked], cap=2,
+                                 max_tokens=24, lengths=[24] * 3,
+                                 sampling=SamplingParams(temperature=0.8, top_p=0.95))
+    sampled = results["none"]["outputs"]
+    assert results["fixed:4"]["outputs"] == sampled
+    assert sampled[0] != sampled[1] and sampled != [reference[i] for i in picked]
+    assert results["fixed:4"]["steps"] < results["none"]["steps"]  # it did speculate, and some drafts held
+
+
 def test_the_throughput_benchmark_takes_turns_while_its_policies_prefill_in_chunks(engine, datastore, prompt_ids):
     # Before any token every policy's progress is 0: the tie goes to the one with fewer steps, so the steps that
     # prefill a group's first prompts alternate instead of one policy prefilling all of its own first.
