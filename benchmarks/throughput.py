@@ -2,6 +2,7 @@
 
     python -m benchmarks.throughput                  # full run (tens of minutes on 2 CPU cores)
     python -m benchmarks.throughput --quick          # the `make demo` version: a few minutes, separate files
+    python -m benchmarks.throughput --temperature 0.8 --top-p 0.95 --name throughput_sampled   # sampled, seeded
 
 For each prompt set (recorded eval prompts, `tools/record_trajectories.py`) and concurrency cap, every policy
 (`none`, `fixed:4`, `fixed:16`, `fixed:32`, `roofline`, `goodput`) serves the same prompts through `Orchestrator`
