@@ -30,7 +30,8 @@ from benchmarks.plotting import panels_by_set
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 NAMES = ("datastore", "verify_cost", "linear_rows", "cpu_attention", "prefill_attention", "attention_calls",
-         "acceptance", "draft_batch", "throughput", "throughput_avx2", "batch_invariance", "prefix_cache",
+         "acceptance", "draft_batch", "throughput", "throughput_avx2", "throughput_sampled", "batch_invariance",
+         "prefix_cache",
          "chunked_prefill", "serving", "serving_avx2", "thread_pools", "compile_time", "simulator_validation",
          "projection", "gpu_verify_cost", "gpu_orchestrator")
 BEGIN, END = "<!-- headline:begin -->", "<!-- headline:end -->"
@@ -82,6 +83,8 @@ def headline_rows(results: dict[str, dict]) -> list[tuple[str, str, str, str]]:
     for name in ("throughput", "throughput_avx2"):
         if name in results:
             rows.extend(_throughput_rows(results[name], name))
+    if "throughput_sampled" in results:
+        rows.extend(_sampled_throughput_rows(results["throughput_sampled"], "throughput_sampled"))
     if "batch_invariance" in results:
         s = results["batch_invariance"]["summary"]
         # the engine's ways to verify in bf16; files before the "attention" way have no such column
@@ -174,6 +177,22 @@ def _throughput_rows(result: dict, source: str) -> list[tuple[str, str, str, str
         rows.append((f"bf16 outputs differing from plain decoding, all speculating rows ({where})",
                      str(s["bf16_divergences"]), "", source))
     return rows
+
+
+def _sampled_throughput_rows(result: dict, source: str) -> list[tuple[str, str, str, str]]:
+    """Headline rows of a sampled throughput run (`--temperature`): no goal of its own, the greedy goals are the
+    issue's; what it shows is how much speculation keeps under sampling, and that outputs stay `none`'s."""
+    s, sampling = result["summary"], result["sampling"]
+    caps = sorted({row["cap"] for row in result.get("rows", [])})
+    where = (f"sampled at temperature {sampling['temperature']}, top_p {sampling['top_p']}; CPU: "
+             f"{result.get('machine', 'unrecorded')}; caps {', '.join(map(str, caps))}")
+    c1 = ", ".join(f"{k.rsplit('_', 1)[1]} {v:.3f}" for k, v in s.items() if k.startswith("speedup_goodput_c1_"))
+    return [(f"goodput speedup over plain decoding at concurrency 1 ({where})", c1, "", source),
+            (f"goodput / none, min over caps and sets ({where})", _fmt(s.get("goodput_vs_none_min"), ".3f"), "",
+             source),
+            (f"outputs identical to plain decoding, fp32 and bf16 ({where})",
+             f"{_fmt(s.get('identical_outputs_fraction'), '.0%')}, {s.get('bf16_divergences')} bf16 differing",
+             "100%", source)]
 
 
 def headline_markdown(rows) -> str:
