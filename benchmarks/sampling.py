@@ -9,7 +9,9 @@ every row for top-p).
 The logits are the default model's (bf16, fp32 logits): each prompt is decoded greedily for 16 tokens, then its
 root and those 16 tokens are verified as one chain, which gives 17 rows of real next-token logits per prompt. Timed:
 temperature 0.8 with top_p 0.95 and 0.9, with top_p 1 (no nucleus), and with top_k 50 and top_p 0.9, on one row (a
-plain decode step) and on 17 rows (a 16-node tree), medians of interleaved rounds. Checked, row by row over 50
+plain decode step) and on 17 rows (a 16-node tree), medians of interleaved rounds; and a verify step's sampling for
+16 one-row requests and for 4 requests of 5 rows, one `sample_tokens` call per request against one `sample_requests`
+call for all. Checked, row by row over 50
 seeds: whether the kernels sample the same tokens as the sampler before them and as the PyTorch ops (and find the
 same nucleus floors); and against the full sort, whether both keep the same tokens (bf16 logits tie often; where
 tokens tie with the nucleus's least probable one, the sort kept those it happened to put first and the nucleus
@@ -32,7 +34,7 @@ from drafter.tree import DraftTree
 from trt_engines.base import SamplingParams, VerifyItem
 from trt_engines.cpu_kernels import cpu_description
 from trt_engines.sampling import (_draw_by_cumsum, _nucleus_by_topk, nucleus_threshold, position_uniforms,
-                                  sample_tokens)
+                                  sample_requests, sample_tokens)
 from trt_engines.torch_engine import TorchEngine
 
 PROMPTS = ("def fibonacci(n):", "The capital of France is", "Write a short poem about the sea.",
@@ -40,6 +42,7 @@ PROMPTS = ("def fibonacci(n):", "The capital of France is", "Write a short poem 
 SETTINGS = ((0.8, 0.95, 0), (0.8, 0.9, 0), (0.8, 1.0, 0), (0.8, 0.9, 50))  # (temperature, top_p, top_k)
 BATCHES = (1, 17)
 SEEDS = 50
+STEPS = ((16, 1), (4, 5))  # (requests, rows each) of a verify step: plain decoding at 16, small trees at 4
 
 
 def _torch_ops_sample(logits: torch.Tensor, params: SamplingParams, seed: int, positions: np.ndarray) -> torch.Tensor:
@@ -131,6 +134,7 @@ def measure(rounds: int) -> dict:
                     for batch in batches[b]:
                         ways[w](batch, params, r, np.arange(batch.shape[0]))
                     times[(w, setting, b)].append((time.perf_counter() - started) / len(batches[b]))
+    step_times = _step_times(logits, rounds)
     positions = np.arange(17)
     same_tokens = {}  # the kernels' tokens against the sampler before them and against the PyTorch ops, row by row
     for temperature, top_p, top_k in SETTINGS:
@@ -175,8 +179,38 @@ def measure(rounds: int) -> dict:
                          "before_over_kernels": ms["before"] / ms["kernels"],
                          "full_sort_over_kernels": ms["full_sort"] / ms["kernels"]})
     return {"machine": cpu_description(), "threads": torch.get_num_threads(), "rounds": rounds,
-            "logit_rows": int(logits.shape[0]), "seeds": SEEDS, "same_tokens": same_tokens,
+            "logit_rows": int(logits.shape[0]), "seeds": SEEDS, "same_tokens": same_tokens, "steps": step_times,
             "agreement": agreement, "rows": rows}
+
+
+def _per_request(batch: torch.Tensor, requests: list) -> np.ndarray:
+    parts = batch.split([len(positions) for _, _, positions in requests])
+    return np.concatenate([sample_tokens(part, params, seed, positions).numpy()
+                           for part, (params, seed, positions) in zip(parts, requests)])
+
+
+def _step_times(logits: torch.Tensor, rounds: int) -> list[dict]:
+    """A verify step's sampling with several sampled requests: one `sample_tokens` call per request (how the engine
+    sampled before `sample_requests`) against one `sample_requests` call for all, interleaved; and whether every
+    request's tokens agree."""
+    params = SamplingParams(temperature=0.8, top_p=0.95)
+    out = []
+    for n_requests, rows in STEPS:
+        batch = logits[: n_requests * rows]
+        requests = [(params, 100 + i, np.arange(rows) + 7 * i) for i in range(n_requests)]
+        ways = {"per_request": lambda: _per_request(batch, requests),
+                "batched": lambda: sample_requests(batch, requests)}
+        times = {w: [] for w in ways}
+        for r in range(rounds * 4):
+            for w in (list(ways) if r % 2 == 0 else list(ways)[::-1]):
+                started = time.perf_counter()
+                ways[w]()
+                times[w].append(time.perf_counter() - started)
+        ms = {w: 1e3 * statistics.median(v) for w, v in times.items()}
+        out.append({"requests": n_requests, "rows_each": rows, "per_request_ms": ms["per_request"],
+                    "batched_ms": ms["batched"], "per_request_over_batched": ms["per_request"] / ms["batched"],
+                    "same_tokens": bool((ways["per_request"]() == ways["batched"]()).all())})
+    return out
 
 
 def write_markdown(path, result: dict) -> None:
@@ -204,6 +238,13 @@ def write_markdown(path, result: dict) -> None:
     for name, a in result["same_tokens"].items():
         lines.append(f"| {name} | {a['rows']} | {a['as_before']} | {a['as_torch_ops']} | "
                      f"{'yes' if a['same_floors_as_torch_ops'] else 'NO'} |")
+    lines += ["", "A verify step's sampling with several requests (temperature 0.8, top_p 0.95, each its own seed): "
+              "one call per request, as the engine sampled before `sample_requests`, against one call for all:", "",
+              "| requests x rows | per request ms | batched ms | per request / batched | same tokens |",
+              "|---|---|---|---|---|"]
+    lines += [f"| {s['requests']} x {s['rows_each']} | {s['per_request_ms']:.2f} | {s['batched_ms']:.2f} | "
+              f"{s['per_request_over_batched']:.2f} | {'yes' if s['same_tokens'] else 'NO'} |"
+              for s in result.get("steps", [])]
     lines += ["", "What the nucleus floor and the full sort keep and sample (temperature 0.8, all rows; 'the rest tie "
               "the edge': every token only the floor keeps is exactly as probable as the nucleus's least probable "
               "one):", "",

@@ -299,6 +299,39 @@ def test_draw_inverts_the_kept_cdf_in_any_batch(seed, rows, vocab, zeros, floor_
         assert int(draw_tokens(probs_t[r : r + 1], floors_t[r : r + 1], uniforms[r : r + 1])[0]) == drawn[r]
 
 
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), kinds=st.lists(st.sampled_from(["greedy", "top_p", "top_k", "both", "plain"]),
+                                                      min_size=1, max_size=6))
+def test_a_step_samples_each_request_as_it_would_alone(seed, kinds):
+    # `TorchEngine._sample` samples every request of a step in one call (`sample_requests`): each request's tokens
+    # must be those it samples alone (a tree's rows and plain decoding's one row, in whatever batch), whatever the
+    # others' temperatures, top_p and top_k. Through the CPU kernels and through CUDA's PyTorch ops alike.
+    from trt_engines.sampling import _nucleus_by_topk, nucleus_threshold, sample_requests
+
+    rng = np.random.default_rng(seed)
+    vocab = 3000
+    settings_of = {"greedy": {}, "top_p": {"top_p": 0.9}, "top_k": {"top_k": 20}, "both": {"top_k": 50, "top_p": 0.8},
+                   "plain": {}}
+    requests = [(SamplingParams(**({} if kind == "greedy" else {"temperature": float(rng.uniform(0.3, 1.5))}),
+                                **settings_of[kind]), int(rng.integers(0, 2**40)),
+                 np.sort(rng.integers(0, 4000, int(rng.integers(1, 5))))) for kind in kinds]
+    rows = sum(len(positions) for _, _, positions in requests)
+    logits = torch.from_numpy((rng.standard_normal((rows, vocab)) * rng.uniform(0.5, 8.0, (rows, 1)))
+                              .astype(np.float32))
+    together = sample_requests(logits, requests)
+    alone = np.concatenate([sample_requests(part, [request]) for part, request in
+                            zip(logits.split([len(p) for _, _, p in requests]), requests)])
+    np.testing.assert_array_equal(together, alone)
+    probs = logits.softmax(dim=-1)
+    top_p = rng.choice([0.5, 0.9, 1.0], rows).astype(np.float32)
+    per_row = nucleus_threshold(probs, top_p)
+    assert torch.equal(_nucleus_by_topk(probs, top_p), per_row)
+    for r in range(rows):
+        assert torch.equal(nucleus_threshold(probs[r : r + 1], float(top_p[r])), per_row[r : r + 1])
+    with pytest.raises(ValueError, match="own"):
+        sample_requests(logits[1:], requests)
+
+
 def test_sampling_a_row_of_nan_logits_is_token_zero_not_a_hang():
     # A broken model's NaN logits must not send the CPU kernels' widening search into a loop or an index out of range.
     from trt_engines.sampling import nucleus_threshold, sample_tokens

@@ -11,6 +11,7 @@ results to rounding. `benchmarks/results/sampling.md` times both ways on the def
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -49,36 +50,39 @@ def position_uniforms(seed: int, positions: np.ndarray) -> np.ndarray:
     return (mixed >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
 
 
-def nucleus_threshold(probs: Tensor, top_p: float) -> Tensor:
+def nucleus_threshold(probs: Tensor, top_p: float | np.ndarray) -> Tensor:
     """Per row of `probs` [R, V] (fp32), the smallest probability in its nucleus: the most probable tokens, in
     descending order, while the mass before each is below `top_p` (at least one; the prefix sums of PyTorch's
     cumsum over a full sort). Top-p sampling keeps every token at least that probable, ties at the edge included, so
-    the kept set does not depend on how a sort orders equal probabilities. Returns [R].
+    the kept set does not depend on how a sort orders equal probabilities. `top_p`: one for every row, or one per
+    row (a row of top_p 1 gets 0: every token). Returns [R].
 
     Neither way sorts the vocabulary: a full sort (49152 tokens) cost 4.8 ms a row on the 2-core AVX2 EPYC, and 38.6
     ms for a 16-node tree's 17 rows (`benchmarks/results/sampling.md`). On the CPU a numba kernel sorts only the
     tokens within a factor 16, 256, ... of the row's most probable one, until they hold `top_p` (`_nucleus_floors`);
     elsewhere `torch.topk` widens the same way (`_nucleus_by_topk`)."""
+    top_p = np.broadcast_to(np.asarray(top_p, np.float32), probs.shape[:1])
     if probs.device.type == "cpu":
         floors = np.empty(probs.shape[0], np.float32)
-        _nucleus_floors(probs.contiguous().numpy(), np.float32(top_p), floors)
+        _nucleus_floors(probs.contiguous().numpy(), np.ascontiguousarray(top_p), floors)
         return torch.from_numpy(floors)
     return _nucleus_by_topk(probs, top_p)
 
 
-def _nucleus_by_topk(probs: Tensor, top_p: float, *, first_k: int = 64) -> Tensor:
+def _nucleus_by_topk(probs: Tensor, top_p: float | np.ndarray, *, first_k: int = 64) -> Tensor:
     """`nucleus_threshold` in PyTorch ops: among each row's `first_k` most probable tokens (`torch.topk`), and among
     16 times as many for the rows whose top `first_k` hold less than `top_p` of the mass, and so on."""
     rows, vocab = probs.shape
-    threshold = torch.empty(rows, dtype=probs.dtype, device=probs.device)
-    left = torch.arange(rows, device=probs.device)
+    top_p = torch.from_numpy(np.array(np.broadcast_to(np.asarray(top_p, np.float32), (rows,)))).to(probs.device)
+    threshold = torch.zeros(rows, dtype=probs.dtype, device=probs.device)
+    left = torch.nonzero(top_p < 1.0)[:, 0]
     k = min(first_k, vocab)
     while left.numel():
         top = torch.topk(probs[left], k, dim=-1).values  # descending
         mass = top.cumsum(dim=-1)
         # the prefix sums of a full sort's first k, to the bit: the same values added in the same order
-        inside = (mass - top < top_p).sum(dim=-1).clamp(min=1)
-        done = (mass[:, -1] >= top_p) | (k == vocab)  # the nucleus ends within these k
+        inside = (mass - top < top_p[left, None]).sum(dim=-1).clamp(min=1)
+        done = (mass[:, -1] >= top_p[left]) | (k == vocab)  # the nucleus ends within these k
         threshold[left[done]] = top[done].gather(-1, (inside[done] - 1).unsqueeze(-1))[:, 0]
         left = left[~done]
         k = min(16 * k, vocab)
@@ -86,15 +90,19 @@ def _nucleus_by_topk(probs: Tensor, top_p: float, *, first_k: int = 64) -> Tenso
 
 
 @njit(parallel=True, boundscheck=False, cache=True)
-def _nucleus_floors(probs, top_p, out):
-    """`nucleus_threshold` on the CPU into `out`. Per row: its maximum, then the tokens at least a 16th as probable,
+def _nucleus_floors(probs, top_ps, out):
+    """`nucleus_threshold` on the CPU into `out`, row r with top_p `top_ps[r]` (1: every token, a floor of 0). Per
+    row: its maximum, then the tokens at least a 16th as probable,
     and the mass they hold, in one pass; where that reaches `top_p`, only they are sorted and their prefix sums
     taken as PyTorch's cumsum of a full sort would take them, to the bit, else the cutoff drops 16-fold. Those
     prefix sums decide: where they fall short of `top_p` by rounding, the cutoff drops too (down to every token).
     A row without a positive maximum (NaN logits) gets a floor of 0; NaNs beside it are never candidates."""
     rows, vocab = probs.shape
     for r in prange(rows):
-        row = probs[r]
+        row, top_p = probs[r], top_ps[r]
+        if top_p >= 1.0:  # no nucleus: every token
+            out[r] = 0.0
+            continue
         top = row[0]
         for v in range(1, vocab):
             top = max(top, row[v])
@@ -140,21 +148,60 @@ def sample_tokens(logits: Tensor, params: SamplingParams, seed: int | None, posi
     request's rows was consumed faster or slower with the tree sizes, so a second request with the same seed, whose
     drafter had learnt from the first, sampled other tokens). Each token is still an exact draw from the target's
     distribution: the uniforms of one request's positions are independent, and unseeded requests draw their seed at
-    random."""
-    if params.greedy:
-        return torch.from_numpy(greedy_tokens(logits))
-    logits = logits.float() / params.temperature  # the kernels take fp32 (a no-op for the engine's fp32 logits)
-    if 0 < params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, -math.inf)
-    probs = logits.softmax(dim=-1)
+    random. One request's rows of `sample_requests`."""
+    return torch.from_numpy(sample_requests(logits, [(params, seed, np.asarray(positions))]))
+
+
+def sample_requests(logits: Tensor, requests: Sequence[tuple[SamplingParams, int | None, np.ndarray]]) -> np.ndarray:
+    """`sample_tokens` for a verify step's requests at once: `requests[i]` = (sampling, seed, positions) owns the
+    next len(positions) rows of `logits` [R, V]. Returns int64 [R]. Each row's token depends on its own row, params,
+    seed and position alone, whatever else the call holds: the filters, the softmax and the kernels all work row by
+    row. One call rather than one per request: 3.2 against 7.0 ms for 16 one-row requests, 3.1 against 4.1 for 4
+    requests of 5 rows (`benchmarks/results/sampling.md`)."""
+    sizes = [len(positions) for _, _, positions in requests]
+    if sum(sizes) != logits.shape[0]:
+        raise ValueError(f"the requests own {sum(sizes)} rows; logits has {logits.shape[0]}")
+    if all(params.greedy for params, _, _ in requests):
+        return greedy_tokens(logits).astype(np.int64)
+    tokens = np.empty(logits.shape[0], np.int64)
+    drawn = [request for request in requests if not request[0].greedy]
+    if len(drawn) < len(requests):  # greedy requests beside sampled ones: their argmax, the rest gathered
+        starts = np.cumsum([0, *sizes])
+        keep = np.zeros(len(tokens), bool)
+        for (params, _, _), start, stop in zip(requests, starts[:-1], starts[1:]):
+            if params.greedy:
+                tokens[start:stop] = greedy_tokens(logits[start:stop])
+            else:
+                keep[start:stop] = True
+        rows = logits[torch.from_numpy(keep).to(logits.device)]
+    else:
+        keep, rows = slice(None), logits
+    drawn_sizes = [len(positions) for _, _, positions in drawn]
+
+    def per_row(values: list, dtype) -> np.ndarray:  # a value per sampled request -> one per row it owns
+        return np.repeat(np.array(values, dtype), drawn_sizes)
+
+    temperatures = [params.temperature for params, _, _ in drawn]
+    # the kernels take fp32 (the engine's logits already are); true division, a Python float's as a tensor's
+    scaled = (rows.float() / temperatures[0] if len(set(temperatures)) == 1 else
+              rows.float() / torch.from_numpy(per_row(temperatures, np.float32)).to(rows.device)[:, None])
+    if any(0 < params.top_k < scaled.shape[-1] for params, _, _ in drawn):
+        top_k = per_row([params.top_k for params, _, _ in drawn], np.int64)
+        for k in set(top_k[(top_k > 0) & (top_k < scaled.shape[-1])].tolist()):  # rows of one top_k: one call
+            at = torch.from_numpy(np.flatnonzero(top_k == k)).to(scaled.device)
+            part = scaled[at]
+            scaled[at] = part.masked_fill(part < torch.topk(part, k, dim=-1).values[:, -1:], -math.inf)
+    probs = scaled.softmax(dim=-1)
     # top-p keeps the tokens at least as probable as the nucleus's least probable one; the draw renormalizes them
-    floors = nucleus_threshold(probs, params.top_p) if params.top_p < 1.0 else None
-    return draw_tokens(probs, floors, position_uniforms(seed, positions))
+    floors = (nucleus_threshold(probs, per_row([params.top_p for params, _, _ in drawn], np.float32))
+              if any(params.top_p < 1.0 for params, _, _ in drawn) else None)
+    uniforms = np.concatenate([position_uniforms(seed, positions) for _, seed, positions in drawn])
+    tokens[keep] = draw_tokens(probs, floors, uniforms).cpu().numpy()
+    return tokens
 
 
 def compile_cpu_kernels() -> None:
-    """Compile the CPU sampler's kernels (about 8 s on the 2-core AVX2 EPYC without numba's cache) or load them
+    """Compile the CPU sampler's kernels (8 s on the 2-core AVX2 EPYC without numba's cache, one-off) or load them
     from the cache, so a server pays that at start-up rather than at its first sampled request, stalling its batch."""
     sample_tokens(torch.zeros(1, 8), SamplingParams(temperature=1.0, top_p=0.5), 0, np.zeros(1, np.int64))
 
@@ -211,8 +258,9 @@ def _block_mass(row, floor, start, stop):
 @njit(parallel=True, boundscheck=False, cache=True)
 def _invert_cdfs(probs, floors, uniforms, out):
     """`draw_tokens` on the CPU into `out`: one fused pass of float64 block sums over each row, then a scan of the
-    one block the draw falls in, where PyTorch took a masked copy, a float64 copy, a cumsum over the whole vocabulary
-    and a search (about 3 of 7.4 ms for 17 rows at top_p 0.95, with the second softmax this kernel makes needless).
+    one block the draw falls in, where PyTorch took a masked copy, a second softmax, a float64 copy, a cumsum over
+    the whole vocabulary and a search (with `_nucleus_floors`: 2.9 against 8.6 ms for 17 rows at top_p 0.95, 1.6
+    against 3.0 at top_p 1; `benchmarks/results/sampling.md`).
     Each row is computed alone, in the same order whatever else the batch holds. Where rounding leaves the draw
     past the block sums' or the block's last sum, it is the last kept token before that point; a row with no kept
     mass (NaN logits) draws token 0."""

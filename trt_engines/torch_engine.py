@@ -98,7 +98,7 @@ from trt_engines.cpu_kernels import (
 from trt_engines.kv_cache import PagedKVCache
 from trt_engines.llama import Linear, Transformer
 from trt_engines.prepare import resolve_model_dir
-from trt_engines.sampling import greedy_tokens, sample_tokens
+from trt_engines.sampling import greedy_tokens, sample_requests, sample_tokens
 
 
 @dataclass
@@ -771,11 +771,7 @@ class TorchEngine:
         requests = [self._requests[s.request_id] for s in segments]
         if all(r.sampling.greedy for r in requests):
             return np.split(greedy_tokens(logits), np.cumsum(sizes)[:-1])
-        out = []
-        for rows, req, segment in zip(logits.split(sizes), requests, segments):
-            if req.sampling.greedy:
-                out.append(greedy_tokens(rows))
-            else:  # row r predicts the token after position r: it samples position r + 1
-                out.append(sample_tokens(rows, req.sampling, req.seed, segment.positions + 1).to(torch.int32)
-                           .cpu().numpy())
-        return out
+        # row r of a segment predicts the token after position r: it samples position r + 1
+        tokens = sample_requests(logits, [(req.sampling, req.seed, segment.positions + 1)
+                                          for req, segment in zip(requests, segments)])
+        return np.split(tokens.astype(np.int32), np.cumsum(sizes)[:-1])
