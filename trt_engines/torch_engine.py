@@ -766,7 +766,7 @@ class TorchEngine:
 
     def _sample(self, segments: Sequence[_Segment], logits: Tensor) -> list[np.ndarray]:
         """Target tokens per segment from fp32 `logits` [tokens, vocab]: one argmax over all rows when every request
-        is greedy (the common case, no copy of the logits), else row group by row group."""
+        is greedy (the common case, no copy of the logits), else one `sample_requests` call for every row."""
         sizes = [len(s.tokens) for s in segments]
         requests = [self._requests[s.request_id] for s in segments]
         if all(r.sampling.greedy for r in requests):
