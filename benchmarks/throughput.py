@@ -146,6 +146,12 @@ def _seeded(sampling: SamplingParams, i: int) -> SamplingParams:
     return sampling if sampling.greedy else dataclasses.replace(sampling, seed=SEED_BASE + i)
 
 
+def sampling_record(sampling: SamplingParams) -> dict | None:
+    """How a run sampled, as its results file records it (None: greedy)."""
+    return None if sampling.greedy else {"temperature": sampling.temperature, "top_p": sampling.top_p,
+                                         "top_k": sampling.top_k, "seed_base": SEED_BASE}
+
+
 def serve_side_by_side(engine, drafter, step_model, policies: list[str], prompts: list[np.ndarray], *, cap: int,
                        max_tokens: int, lengths: list[int] | None = None, prefill_chunk: int | str | None = "auto",
                        sampling: SamplingParams = GREEDY) -> dict[str, dict]:
@@ -332,8 +338,7 @@ def run(sets: list[str], caps: list[int], policies: list[str], *, prompts_per_ca
             "prompt_sample": "spread",  # a row's prompts: `tools.trajectories.spread` over the eval set
             "interleave": "progress",  # `serve_side_by_side`: the policy furthest behind steps next (was: in turns)
             "prefill_chunk": chunk,  # prompt tokens a step prefilled at most (None: whole prompts at admission)
-            "sampling": None if sampling.greedy else {"temperature": sampling.temperature, "top_p": sampling.top_p,
-                                                      "top_k": sampling.top_k, "seed_base": SEED_BASE},
+            "sampling": sampling_record(sampling),
             "step_model_median_abs_err": float(np.median(all_errors)) if all_errors else None,
             "identity": identity, "rounds": rounds, "group_fits": group_fits,
             "hardware": dataclasses.asdict(step_model.hardware),
@@ -513,10 +518,10 @@ def planned_shapes(sets: list[str], caps: list[int], policies: list[str],
 
 
 def check_replaceable(name: str, shapes: dict[tuple[str, int], list[tuple[str, int]]], max_tokens: int,
-                      new: dict | None = None) -> dict:
+                      new: dict | None = None, sampling: dict | None = None) -> dict:
     """The results file `name`, if its groups `shapes` (`group_shapes`) can be replaced by a run with `max_tokens`
-    (and, once run, by the result `new`); else SystemExit naming what differs. `main` calls it before measuring
-    anything, `replace_groups` again with the result."""
+    and `sampling` (`sampling_record`; and, once run, by the result `new`); else SystemExit naming what differs.
+    `main` calls it before measuring anything, `replace_groups` again with the result."""
     path, outputs_path = RESULTS / f"{name}.json", RESULTS / f"{name}_outputs.npz"
     if not path.is_file() or not outputs_path.is_file():
         raise SystemExit(f"--replace-groups: {path} or {outputs_path} is missing; run the whole benchmark first")
@@ -527,6 +532,9 @@ def check_replaceable(name: str, shapes: dict[tuple[str, int], list[tuple[str, i
         raise SystemExit(f"--replace-groups: {path.name} has no rows for {missing}; replace only groups it measured")
     if old.get("max_tokens") != max_tokens:
         raise SystemExit(f"--replace-groups: {path.name} ran with --max-tokens {old.get('max_tokens')}; use the same")
+    if old.get("sampling") != (new.get("sampling") if new is not None else sampling):
+        raise SystemExit(f"--replace-groups: {path.name} sampled with {old.get('sampling') or 'greedy decoding'}; "
+                         "pass the same --temperature and --top-p")
     for g, shape in shapes.items():  # the same policies and prompts, or the swapped rows would measure something else
         if measured[g] != shape:
             raise SystemExit(f"--replace-groups: {path.name} measured {g} with (policy, prompts) {measured[g]}; "
@@ -542,9 +550,6 @@ def check_replaceable(name: str, shapes: dict[tuple[str, int], list[tuple[str, i
     if old.get("prefill_chunk") != new.get("prefill_chunk"):
         raise SystemExit(f"--replace-groups: {path.name} prefilled {old.get('prefill_chunk') or 'whole'} prompt tokens "
                          f"per step; pass --prefill-chunk {old.get('prefill_chunk') or 0}")
-    if old.get("sampling") != new.get("sampling"):
-        raise SystemExit(f"--replace-groups: {path.name} sampled with {old.get('sampling') or 'greedy decoding'}; "
-                         "pass the same --temperature and --top-p")
     if _kernel_mode(old) != _kernel_mode(new):
         raise SystemExit(f"--replace-groups: {path.name} ran its engine with cpu_kernels {_kernel_mode(old)!r}; pass "
                          f"--cpu-kernels {_kernel_mode(old)}")
@@ -700,7 +705,7 @@ def main(argv: list[str] | None = None) -> int:
     name = args.name or ("throughput_quick" if args.quick else "throughput")
     if args.replace_groups:
         check_replaceable(name, planned_shapes(args.sets, args.caps, args.policies, prompts_per_cap),
-                          args.max_tokens)
+                          args.max_tokens, sampling=sampling_record(sampling))
     started = time.perf_counter()
     result = run(args.sets, args.caps, args.policies, prompts_per_cap=prompts_per_cap, max_tokens=args.max_tokens,
                  identity_prompts=0 if args.replace_groups else args.identity_prompts, rounds=args.rounds,

@@ -119,7 +119,8 @@ def test_a_replacement_the_file_cannot_take_is_refused_before_measuring(tmp_path
     _results(rows, {"mtbench_1_none_tokens": np.array([1])}, tmp_path)
     before = (tmp_path / "throughput.json").read_text()
     for argv, message in ((["--caps", "4"], "no rows for"), (["--caps", "1", "--max-tokens", "64"], "max-tokens"),
-                          (["--caps", "1", "--policies", "none", "goodput"], "same --policies")):
+                          (["--caps", "1", "--policies", "none", "goodput"], "same --policies"),
+                          (["--caps", "1", "--temperature", "0.8"], "sampled with greedy decoding")):
         refused = refused_before_running(monkeypatch, throughput, "run", throughput.main,
                                          ["--sets", "mtbench", "--replace-groups", *argv])
         assert message in refused
