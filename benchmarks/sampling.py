@@ -4,7 +4,7 @@ then a masked copy of the logits, a second softmax and a float64 cumsum over the
 the kernels' in PyTorch ops (what CUDA runs); and the sampler before `torch.topk` (it sorted the whole vocabulary of
 every row for top-p).
 
-    python -m benchmarks.sampling [--rounds 40]     # ~1 minute on 2 CPU cores
+    python -m benchmarks.sampling [--rounds 40]     # ~5 minutes on 2 CPU cores
 
 The logits are the default model's (bf16, fp32 logits): each prompt is decoded greedily for 16 tokens, then its
 root and those 16 tokens are verified as one chain, which gives 17 rows of real next-token logits per prompt. Timed:
