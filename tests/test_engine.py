@@ -305,7 +305,8 @@ def test_draw_inverts_the_kept_cdf_in_any_batch(seed, rows, vocab, zeros, floor_
 def test_a_step_samples_each_request_as_it_would_alone(seed, kinds):
     # `TorchEngine._sample` samples every request of a step in one call (`sample_requests`): each request's tokens
     # must be those it samples alone (a tree's rows and plain decoding's one row, in whatever batch), whatever the
-    # others' temperatures, top_p and top_k. Through the CPU kernels and through CUDA's PyTorch ops alike.
+    # others' temperatures, top_p and top_k; and the per-row top_p floors are each row's own, in the CPU kernel
+    # as in CUDA's PyTorch ops.
     from trt_engines.sampling import _nucleus_by_topk, nucleus_threshold, sample_requests
 
     rng = np.random.default_rng(seed)
