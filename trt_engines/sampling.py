@@ -57,8 +57,8 @@ def nucleus_threshold(probs: Tensor, top_p: float | np.ndarray) -> Tensor:
     the kept set does not depend on how a sort orders equal probabilities. `top_p`: one for every row, or one per
     row (a row of top_p 1 gets 0: every token). Returns [R].
 
-    Neither way sorts the vocabulary: a full sort (49152 tokens) cost 4.8 ms a row on the 2-core AVX2 EPYC, and 38.6
-    ms for a 16-node tree's 17 rows (`benchmarks/results/sampling.md`). On the CPU a numba kernel sorts only the
+    Neither way sorts the vocabulary: the sampler that sorted it (49152 tokens) took 4.6 ms for a row on the 2-core
+    AVX2 EPYC, and 36.5 ms for a 16-node tree's 17 rows (`benchmarks/results/sampling.md`). On the CPU a numba kernel sorts only the
     tokens within a factor 16, 256, ... of the row's most probable one, until they hold `top_p` (`_nucleus_floors`);
     elsewhere `torch.topk` widens the same way (`_nucleus_by_topk`)."""
     top_p = np.broadcast_to(np.asarray(top_p, np.float32), probs.shape[:1])
@@ -92,10 +92,10 @@ def _nucleus_by_topk(probs: Tensor, top_p: float | np.ndarray, *, first_k: int =
 @njit(parallel=True, boundscheck=False, cache=True)
 def _nucleus_floors(probs, top_ps, out):
     """`nucleus_threshold` on the CPU into `out`, row r with top_p `top_ps[r]` (1: every token, a floor of 0). Per
-    row: its maximum, then the tokens at least a 16th as probable,
-    and the mass they hold, in one pass; where that reaches `top_p`, only they are sorted and their prefix sums
-    taken as PyTorch's cumsum of a full sort would take them, to the bit, else the cutoff drops 16-fold. Those
-    prefix sums decide: where they fall short of `top_p` by rounding, the cutoff drops too (down to every token).
+    row: its maximum, then the tokens at least a 16th as probable and the mass they hold, in one pass; where that
+    reaches `top_p`, only they are sorted and their prefix sums taken as PyTorch's cumsum of a full sort would take
+    them, to the bit, else the cutoff drops 16-fold. Those prefix sums decide: where they fall short of `top_p` by
+    rounding, the cutoff drops too (down to every token).
     A row without a positive maximum (NaN logits) gets a floor of 0; NaNs beside it are never candidates."""
     rows, vocab = probs.shape
     for r in prange(rows):
@@ -181,10 +181,8 @@ def sample_requests(logits: Tensor, requests: Sequence[tuple[SamplingParams, int
     def per_row(values: list, dtype) -> np.ndarray:  # a value per sampled request -> one per row it owns
         return np.repeat(np.array(values, dtype), drawn_sizes)
 
-    temperatures = [params.temperature for params, _, _ in drawn]
-    # the kernels take fp32 (the engine's logits already are); true division, a Python float's as a tensor's
-    scaled = (rows.float() / temperatures[0] if len(set(temperatures)) == 1 else
-              rows.float() / torch.from_numpy(per_row(temperatures, np.float32)).to(rows.device)[:, None])
+    temperature = torch.from_numpy(per_row([params.temperature for params, _, _ in drawn], np.float32))
+    scaled = rows.float() / temperature.to(rows.device)[:, None]  # the kernels take fp32 (the engine's logits are)
     if any(0 < params.top_k < scaled.shape[-1] for params, _, _ in drawn):
         top_k = per_row([params.top_k for params, _, _ in drawn], np.int64)
         for k in set(top_k[(top_k > 0) & (top_k < scaled.shape[-1])].tolist()):  # rows of one top_k: one call
