@@ -125,6 +125,18 @@ def test_serve_refuses_bad_options_before_starting_anything(capsys, argv, messag
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_the_config_and_the_flags_share_their_floors():
+    # `INT_FLOORS` is the one table of least values: the config refuses just below each, as the flags do
+    from orchestrator.serving.cli import int_at_least
+    from orchestrator.serving.stack import INT_FLOORS, ServingConfig
+
+    for name, least in INT_FLOORS.items():
+        assert getattr(ServingConfig(**{name: least}), name) == least
+        with pytest.raises(ValueError, match=f"{name} must be an int >= {least}"):
+            ServingConfig(**{name: least - 1})
+        assert int_at_least(least)(str(least)) == least
+
+
 def test_serve_refuses_a_port_in_use_before_loading_the_model(capsys):
     import socket
 

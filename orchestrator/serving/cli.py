@@ -18,6 +18,8 @@ from trt_engines.base import CPU_KERNEL_CHOICES
 
 
 def _config_args(parser: argparse.ArgumentParser) -> None:
+    from orchestrator.serving.stack import INT_FLOORS
+
     g = parser.add_argument_group("model and scheduling")
     g.add_argument("--model", default="default", help="model name or folder (default: the prepared default model)")
     g.add_argument("--model-name", type=model_name_arg, default="retrospec",
@@ -31,20 +33,20 @@ def _config_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse earlier requests' KV blocks for repeated prompt prefixes (default: on where the numba "
                    "kernels prefill, which makes reuse exact)")
-    g.add_argument("--num-blocks", type=int_at_least(1), default=None,
+    g.add_argument("--num-blocks", type=int_at_least(INT_FLOORS["num_blocks"]), default=None,
                    help="KV-cache blocks (default: 8 full contexts)")
-    g.add_argument("--max-context", type=int_at_least(2), default=2048)
+    g.add_argument("--max-context", type=int_at_least(INT_FLOORS["max_context"]), default=2048)
     g.add_argument("--datastore", action="append", default=None,
                    help="datastore folder (repeatable; default: the default datastore if built)")
     g.add_argument("--policy", default="goodput", help="speculation budget: goodput, roofline, fixed:B or none")
-    g.add_argument("--max-running", type=int_at_least(1), default=32)
+    g.add_argument("--max-running", type=int_at_least(INT_FLOORS["max_running"]), default=32)
     g.add_argument("--hardware", default="measure", help="measure (profile at start-up), nominal, a known name "
                    "(H100-SXM, ...) or a profile JSON")
     g.add_argument("--no-fit", action="store_true", help="skip the start-up fit of the step-time model")
-    g.add_argument("--max-body-bytes", type=int_at_least(1024), default=1 << 20)
+    g.add_argument("--max-body-bytes", type=int_at_least(INT_FLOORS["max_body_bytes"]), default=1 << 20)
     g.add_argument("--draft-timeout-ms", type=draft_timeout_ms_arg, default=None,
                    help="a drafting call slower than this makes its step plain decoding (default: no timeout)")
-    g.add_argument("--micro-batches", type=int_at_least(1), default=None,
+    g.add_argument("--micro-batches", type=int_at_least(1), default=None,  # `check_micro_batches`'s least
                    help="split the running batch into this many micro-batches that take turns, one drafted while "
                    "another is verified (SPIN); 1: never (default: decide each step; never on a CPU-only machine)")
     g.add_argument("--prefill-chunk", type=prefill_chunk_arg, default="auto",
@@ -54,8 +56,8 @@ def _config_args(parser: argparse.ArgumentParser) -> None:
 
 
 def int_at_least(least: int):
-    """An argparse type: a whole number >= `least`, refused in the flag's own words (the config's checks would name
-    its field instead)."""
+    """An argparse type: a whole number >= `least` (`stack.INT_FLOORS`), refused in the flag's own words (the
+    config's checks would name its field instead)."""
     def parse(text: str) -> int:
         try:
             value = int(text)

@@ -54,6 +54,13 @@ def serving_prefill_chunk(prefill_chunk: int | str | None, engine) -> int | None
     return AUTO_PREFILL_CHUNK if getattr(engine, "exact_chunked_prefill", False) else None
 
 
+# The least value of each whole-number field of `ServingConfig`; `retrospec serve`'s flags refuse below these too,
+# in the flag's own words (`orchestrator.serving.cli.int_at_least`).
+INT_FLOORS = {"num_blocks": 1, "block_size": 1, "max_context": 2, "max_running": 1, "max_nodes_per_request": 1,
+              "torch_threads": 1, "max_body_bytes": 1024}
+_OPTIONAL_INTS = {"num_blocks", "max_context", "torch_threads"}  # None: the default (see the fields' comments)
+
+
 @dataclass(frozen=True)
 class ServingConfig:
     """Everything needed to build a stack. `datastores=None` means the default datastore if it is built (else the
@@ -87,10 +94,8 @@ class ServingConfig:
         BudgetPolicy.parse(self.policy)  # raises a clear ValueError on a typo
         if not self.model_name:
             raise ValueError("model_name must not be empty (clients send it as the OpenAI `model`)")
-        for name, least, optional in (("num_blocks", 1, True), ("block_size", 1, False), ("max_context", 2, True),
-                                      ("max_running", 1, False), ("max_nodes_per_request", 1, False),
-                                      ("torch_threads", 1, True)):
-            value = getattr(self, name)
+        for name, least in INT_FLOORS.items():
+            value, optional = getattr(self, name), name in _OPTIONAL_INTS
             if value is None and optional:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
@@ -98,8 +103,6 @@ class ServingConfig:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16; got {self.dtype!r}")
         check_cpu_kernels(self.cpu_kernels)
-        if self.max_body_bytes < 1024:
-            raise ValueError(f"max_body_bytes must be >= 1024; got {self.max_body_bytes}")
         if self.draft_idle_timeout_s <= 0:
             raise ValueError(f"draft_idle_timeout_s must be > 0; got {self.draft_idle_timeout_s}")
         if self.draft_timeout_s is not None and not self.draft_timeout_s > 0:
