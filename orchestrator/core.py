@@ -56,8 +56,10 @@ from orchestrator.request import (
     IncrementalDetokenizer,
     RequestOutput,
     RequestStats,
+    TokenLogprob,
+    token_logprob_list,
 )
-from trt_engines.base import KVCacheFullError, RequestError, TargetEngine, VerifyItem
+from trt_engines.base import InvalidField, KVCacheFullError, RequestError, TargetEngine, VerifyItem
 
 _LOG = logging.getLogger(__name__)
 
@@ -194,6 +196,9 @@ class Orchestrator:
                request_id: str | None = None) -> str:
         if request.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: construct the Orchestrator with tokenizer=...")
+        if request.sampling.logprobs is not None and not getattr(self.engine, "returns_logprobs", False):
+            raise InvalidField("logprobs", f"{type(self.engine).__name__} does not return log probabilities: leave "
+                                           "logprobs out (TorchEngine returns them)")
         vocab = self.engine.vocab_size
         ids = np.asarray(request.prompt_ids, dtype=np.int64)
         if ids.min() < 0 or ids.max() >= vocab:
@@ -305,7 +310,11 @@ class Orchestrator:
             state.stats.steps += 1
             state.stats.drafted += len(tree)
             state.stats.accepted += verdict.num_accepted
-            self._advance(state, verdict.accepted_nodes, verdict.new_tokens)
+            # the new tokens are the target tokens of the root's row and each accepted node's
+            logprobs = (None if result.logprobs is None else
+                        token_logprob_list(verdict.new_tokens,
+                                           result.logprobs.rows(np.concatenate([[0], verdict.accepted_nodes + 1]))))
+            self._advance(state, verdict.accepted_nodes, verdict.new_tokens, logprobs)
 
         self.budget.observe(decision, accepted=np.concatenate(accepted), draft_s=draft_s, cap=cap,
                             measured_s=measured_s)
@@ -516,7 +525,10 @@ class Orchestrator:
         """A request whose prompt is in joins the running batch; the prefill's token is its first output token and
         the root of its first verify (not cached yet)."""
         self.running[state.request_id] = state
-        self._emit_tokens(state, [first])
+        logprobs = None
+        if state.request.sampling.logprobs is not None:
+            logprobs = token_logprob_list([first], self.engine.first_token_logprobs(state.request_id))
+        self._emit_tokens(state, [first], logprobs)
 
     def _max_tree_slots(self) -> int:
         return 1 + self.budget.policy.max_nodes_per_request  # the root + the largest tree a step may send
@@ -557,7 +569,8 @@ class Orchestrator:
             late, self._late_draft = self._late_draft, None
             late.exception()  # waits; a late failure changes nothing: that step already decoded plainly
 
-    def _advance(self, state: _Running, accepted_nodes: np.ndarray, new_tokens: np.ndarray) -> None:
+    def _advance(self, state: _Running, accepted_nodes: np.ndarray, new_tokens: np.ndarray,
+                 logprobs: list[TokenLogprob] | None) -> None:
         tokens = [int(t) for t in new_tokens]
         try:
             self.engine.commit(state.request_id, accepted_nodes, next_root=tokens[-1])
@@ -565,10 +578,11 @@ class Orchestrator:
             self._refuse(state, exc)
             return
         state.context_len += len(tokens)  # the old root + accepted nodes are cached now
-        self._emit_tokens(state, tokens)
+        self._emit_tokens(state, tokens, logprobs)
 
-    def _emit_tokens(self, state: _Running, tokens: list[int]) -> None:
-        """Append tokens up to the first stop condition, stream them, and finish the request if one was hit."""
+    def _emit_tokens(self, state: _Running, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
+        """Append tokens up to the first stop condition, stream them (with their `logprobs`, one per token, where
+        asked for), and finish the request if one was hit."""
         request = state.request
         eos = () if request.ignore_eos else self.engine.eos_token_ids
         kept: list[int] = []
@@ -590,16 +604,18 @@ class Orchestrator:
             elif reason is not None:
                 text += state.detok.flush()
         state.output += kept
+        kept_logprobs = None if logprobs is None else logprobs[: len(kept)]
         if state.first_token_s is None:
             state.first_token_s = self.clock()
         if reason is not None:
-            self._finish(state, reason, kept, text)
-        elif not self._call_back(state.request_id, state.on_output, RequestOutput(state.request_id, kept, text)):
+            self._finish(state, reason, kept, text, logprobs=kept_logprobs)
+        elif not self._call_back(state.request_id, state.on_output,
+                                 RequestOutput(state.request_id, kept, text, logprobs=kept_logprobs)):
             state.on_output = None  # it has failed once: the cancellation is not sent to it
             self._finish(state, FinishReason.CANCELLED)
 
     def _finish(self, state: _Running, reason: FinishReason, tokens: list[int] | None = None, text: str = "", *,
-                error: str | None = None) -> None:
+                error: str | None = None, logprobs: list[TokenLogprob] | None = None) -> None:
         """Retire a request and send its last update. `error`: the engine refused it (`_refuse`), a server error."""
         self.running.pop(state.request_id, None)
         self.prefilling.pop(state.request_id, None)
@@ -615,7 +631,16 @@ class Orchestrator:
         self.drafter.stop_request(state.request_id)
         self._call_back(state.request_id, state.on_output,
                         RequestOutput(state.request_id, tokens or [], text, finish_reason=reason, stats=state.stats,
-                                      error=error, server_error=error is not None))
+                                      error=error, server_error=error is not None,
+                                      logprobs=self._finish_logprobs(state, logprobs)))
+
+    @staticmethod
+    def _finish_logprobs(state: _Running, logprobs: list[TokenLogprob] | None) -> list[TokenLogprob] | None:
+        """The last update's logprobs: those of its tokens, an empty list where it has none but the request asked
+        for them (every update of such a request carries a list), None where it did not ask."""
+        if state.request.sampling.logprobs is None:
+            return None
+        return logprobs or []
 
     def _refuse(self, state: _Running, exc: RequestError) -> None:
         """Fail a request the engine refused mid-generation; the caller's step goes on for the others."""

@@ -56,9 +56,27 @@ class RequestStats:
         return (self.accepted + self.steps) / self.steps if self.steps else 0.0
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An output token's log probability under the model, and the most likely tokens' at its position, most likely
+    first (as many as `SamplingParams.logprobs` asked for)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprob_list(token_ids, logprobs) -> list[TokenLogprob]:
+    """`TokenLogprob`s of tokens from the engine's rows for them (`trt_engines.base.TokenLogprobs`, row i for
+    token i)."""
+    return [TokenLogprob(int(token), float(chosen), tuple(zip(ids.tolist(), values.tolist())))
+            for token, chosen, ids, values in zip(token_ids, logprobs.chosen, logprobs.top_ids, logprobs.top_logprobs)]
+
+
 @dataclass
 class RequestOutput:
-    """One streamed update: the tokens (and text) new since the last update; `finish_reason` set on the last one."""
+    """One streamed update: the tokens (and text) new since the last update; `finish_reason` set on the last one.
+    `logprobs`: one per token of `token_ids`, where the request's sampling asks for them."""
 
     request_id: str
     token_ids: list[int]
@@ -67,6 +85,7 @@ class RequestOutput:
     stats: RequestStats | None = None  # on the final update
     error: str | None = None
     server_error: bool = False  # the failure was the server's (the engine refused it mid-generation), not the request's
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def finished(self) -> bool:

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from orchestrator.core import Orchestrator, OutputCallback
-from orchestrator.request import FinishReason, GenerationRequest, RequestOutput
+from orchestrator.request import FinishReason, GenerationRequest, RequestOutput, TokenLogprob
 
 
 @dataclass
@@ -40,6 +40,7 @@ class Completion:
     finish_reason: FinishReason | None = None
     stats: object = None
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token, where the request's sampling asks for them
 
 
 class OrchestratorRunner:
@@ -153,6 +154,8 @@ class OrchestratorRunner:
         def collect(out: RequestOutput) -> None:
             completion.token_ids += out.token_ids
             completion.text += out.text
+            if out.logprobs is not None:
+                completion.logprobs = (completion.logprobs or []) + out.logprobs
             if out.finished:
                 completion.finish_reason, completion.stats, completion.error = out.finish_reason, out.stats, out.error
                 finished.set()

@@ -358,6 +358,60 @@ def test_seeded_sampling_is_reproducible(engine):
 # ---- bad input: a clear error for that request; the others and the cache are untouched -------------------------
 
 
+def test_logprobs_are_the_models_own_at_every_verified_position_in_the_callers_node_order(engine):
+    # `SamplingParams.logprobs`: the first token's from the prefill, and per verified row (root, then each node in
+    # the caller's order, whatever slot order the engine laid the tree out in) the chosen token's log probability and
+    # the k most likely tokens', under log_softmax of the model's logits; checked against those logits and against
+    # transformers' forward over the accepted text.
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.LlamaForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32).eval()
+    rng = np.random.default_rng(21)
+    prompt, k = _prompt(rng, 30), 5
+    truth = _plain(engine, [prompt], 8)[0]
+    rid, plain_rid = _uid("lp"), _uid("lp")
+    first = engine.add_request(rid, prompt, SamplingParams(logprobs=k))
+    engine.add_request(plain_rid, prompt, SamplingParams())  # asks for none: gets none, beside one that does
+    try:
+        assert first == truth[0]
+        first_lp = engine.first_token_logprobs(rid)
+        assert engine.first_token_logprobs(rid) is None and engine.first_token_logprobs(plain_rid) is None
+        assert first_lp.chosen.shape == (1,) and first_lp.top_ids.shape == first_lp.top_logprobs.shape == (1, k)
+        # the true path t0, t1, t2 (nodes 1, 3, 5) among decoys, numbered breadth-first: the engine lays it out
+        # depth-first (0, 2, 6, 1, 3, 5, 4) and must hand the rows back in this order
+        decoy = lambda: int(rng.integers(0, VOCAB))  # noqa: E731
+        tree = DraftTree.from_arrays(tokens=[decoy(), truth[1], decoy(), truth[2], decoy(), truth[3], decoy()],
+                                     parents=[-1, -1, 0, 1, 1, 3, 2])
+        assert not np.array_equal(tree.depth_first_order(), np.arange(len(tree)))
+        out = {r.request_id: r for r in engine.verify([VerifyItem(rid, tree), VerifyItem(plain_rid, tree)],
+                                                       return_logits=True).results}
+        mine = out[rid]
+        assert out[plain_rid].logprobs is None
+        rows = torch.log_softmax(mine.logits, dim=-1)
+        target = torch.as_tensor(mine.target_tokens, dtype=torch.int64)
+        assert np.array_equal(mine.logprobs.chosen, rows.gather(1, target[:, None])[:, 0].numpy())
+        top = torch.topk(rows, k, dim=-1)
+        assert np.array_equal(mine.logprobs.top_ids, top.indices.numpy())
+        assert np.array_equal(mine.logprobs.top_logprobs, top.values.numpy())
+        verdict = accept(tree, mine.target_tokens)
+        assert verdict.accepted_nodes.tolist() == [1, 3, 5]
+        path_rows = np.concatenate([[0], verdict.accepted_nodes + 1])
+        text = prompt + [first] + tree.tokens[verdict.accepted_nodes].tolist()
+        with torch.no_grad():
+            want = torch.log_softmax(hf(torch.tensor([text])).logits[0], dim=-1)[len(prompt) - 1:]
+        got_chosen = np.concatenate([first_lp.chosen, mine.logprobs.chosen[path_rows]])
+        chosen_tokens = [first] + mine.target_tokens[path_rows].tolist()
+        want_chosen = want[torch.arange(len(chosen_tokens)), torch.tensor(chosen_tokens)].numpy()
+        # fp32 rounding of logits ~30 in size (`test_packed_paged_logits_match_transformers`); a wrong row is off by
+        # whole units
+        np.testing.assert_allclose(got_chosen, want_chosen, atol=2e-3)
+        got_top = np.concatenate([first_lp.top_logprobs, mine.logprobs.top_logprobs[path_rows]])
+        np.testing.assert_allclose(got_top, torch.topk(want, k, dim=-1).values.numpy(), atol=2e-3)
+    finally:
+        engine.release(rid)
+        engine.release(plain_rid)
+    assert engine.free_blocks() == NUM_BLOCKS
+
+
 @pytest.fixture
 def bystander(engine):
     """A live request with one verify+commit behind it; yields a checker that it is intact and still decodes right."""
@@ -416,7 +470,8 @@ def test_bad_requests_and_sampling(engine, bystander):
         engine.add_request(rid, [1, 2], SamplingParams())
     with pytest.raises(RequestError, match="SamplingParams"):
         engine.add_request(_uid(), [1, 2], {"temperature": 1.0})
-    for bad in (dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1), dict(seed=-5)):
+    for bad in (dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1), dict(seed=-5),
+                dict(logprobs=-1), dict(logprobs=21), dict(logprobs=True), dict(logprobs=2.0)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)
     with pytest.raises(RequestError, match="unknown request"):
@@ -743,6 +798,48 @@ def test_bf16_kernel_logits_equal_plain_decoding_on_any_branch(engine_bf16):
     finally:
         for r in (rid, oid):
             engine.release(r)
+    assert engine.free_blocks() == NUM_BLOCKS
+
+
+def test_bf16_logprobs_on_any_branch_are_plain_decodings_bitwise(engine_bf16):
+    # Log probabilities are log_softmax of logits that are bitwise plain decoding's on any branch (the test above),
+    # row by row: speculation changes no logprob either, the first token's (from the prefill) included.
+    engine = engine_bf16
+    if not engine.kernel_attention:
+        pytest.skip("PyTorch's kernels are batch-invariant on first-child chains only")
+    rng = np.random.default_rng(12)
+    prompt, steps, asked = _prompt(rng, 90), 10, SamplingParams(logprobs=3)
+    rid = _uid("lpb")
+    first = engine.add_request(rid, prompt, asked)
+    want, tokens = [engine.first_token_logprobs(rid)], []
+    try:
+        for _ in range(steps + 4):
+            res = engine.verify([VerifyItem(rid, DraftTree.empty())]).results[0]
+            want.append(res.logprobs)
+            tokens.append(int(res.target_tokens[0]))
+            engine.commit(rid, [], next_root=tokens[-1])
+    finally:
+        engine.release(rid)
+    assert engine.add_request(rid, prompt, asked) == first
+    got, done = [engine.first_token_logprobs(rid)], 0
+    try:
+        while done < steps:
+            path = tokens[done: done + int(rng.integers(1, 4))]
+            toks, parents, parent = [], [], -1
+            for tok in path:  # each true token after a decoy sibling with a decoy child: never a first child
+                toks += [int(rng.integers(0, VOCAB)), int(rng.integers(0, VOCAB)), tok]
+                parents += [parent, len(toks) - 3, parent]
+                parent = len(toks) - 1
+            res = engine.verify([VerifyItem(rid, DraftTree.from_arrays(tokens=toks, parents=parents))]).results[0]
+            accepted = [3 * i + 2 for i in range(len(path))]
+            got.append(res.logprobs.rows(np.array([0] + [1 + node for node in accepted])))
+            engine.commit(rid, accepted, next_root=int(res.target_tokens[1 + accepted[-1]]))
+            done += len(path) + 1
+    finally:
+        engine.release(rid)
+    for name in ("chosen", "top_ids", "top_logprobs"):
+        joined = np.concatenate([getattr(lp, name) for lp in got])
+        assert np.array_equal(joined, np.concatenate([getattr(lp, name) for lp in want])[: len(joined)]), name
     assert engine.free_blocks() == NUM_BLOCKS
 
 

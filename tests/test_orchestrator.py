@@ -134,6 +134,47 @@ def test_seeded_sampling_gives_plain_decodings_tokens_under_every_policy(engine,
     assert outputs["none", 0] != [reference[i] for i in picked]  # these really were sampled, not greedy
 
 
+def test_logprobs_come_one_per_token_cut_with_them_and_speculation_changes_none(engine, datastore, prompt_ids,
+                                                                                   reference, tokenizer):
+    # Every update of a request that asks carries one log probability per token it streams, cut where its tokens are
+    # (max_tokens in the middle of a speculative step, a stop string); a request that does not ask gets None.
+    text = tokenizer.decode(reference[3])
+    stop = tokenizer.decode([reference[3][6]]).strip()
+    assert stop and stop in text
+    kept = next(k for k in range(1, 25) if stop in tokenizer.decode(reference[3][:k]))
+    asked = SamplingParams(logprobs=2)
+    requests = [GenerationRequest(prompt_ids=prompt_ids[0], max_tokens=24, sampling=asked),
+                GenerationRequest(prompt_ids=prompt_ids[1], max_tokens=7, sampling=asked),
+                GenerationRequest(prompt_ids=prompt_ids[3], max_tokens=24, sampling=asked, stop_strings=(stop,)),
+                GenerationRequest(prompt_ids=prompt_ids[2], max_tokens=24)]
+    expected = [reference[0], reference[1][:7], reference[3][:kept], reference[2]]
+    runs = {}
+    for policy in ("none", "fixed:16", "goodput"):
+        orchestrator = make_orchestrator(engine, datastore, policy, tokenizer=tokenizer)
+        updates: dict[str, list] = {}
+        for i, request in enumerate(requests):
+            orchestrator.submit(request, lambda out: updates.setdefault(out.request_id, []).append(out),
+                                request_id=f"lp{i}")
+        orchestrator.run_until_idle(max_steps=500)
+        assert [[t for u in updates[f"lp{i}"] for t in u.token_ids] for i in range(4)] == expected
+        for i in range(3):
+            for update in updates[f"lp{i}"]:
+                assert [e.token_id for e in update.logprobs] == update.token_ids
+        assert all(u.logprobs is None for u in updates["lp3"])
+        entries = [[e for u in updates[f"lp{i}"] for e in u.logprobs] for i in range(3)]
+        for entry in (e for request in entries for e in request):  # greedy: the chosen token is the most likely
+            assert len(entry.top) == 2 and entry.top[0] == (entry.token_id, entry.logprob) and entry.logprob <= 0
+        if policy != "none":
+            assert sum(r.realized_tokens - r.batch for r in orchestrator.records if r.batch) > 0  # it speculated
+        runs[policy] = entries
+    for policy in ("fixed:16", "goodput"):  # fp32 verification of other row counts: the same up to rounding
+        for got, want in zip(runs[policy], runs["none"]):
+            assert [e.token_id for e in got] == [e.token_id for e in want]
+            np.testing.assert_allclose([e.logprob for e in got], [e.logprob for e in want], atol=1e-4)
+            np.testing.assert_allclose([[lp for _, lp in e.top] for e in got], [[lp for _, lp in e.top] for e in want],
+                                       atol=1e-4)
+
+
 def test_an_offline_batch_drains_losslessly(engine, datastore, prompt_ids, reference):
     # Requests of different lengths: once the queue is empty the drain values the slowest request's tokens most,
     # which changes who gets nodes, never what is generated.

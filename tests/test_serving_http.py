@@ -129,8 +129,20 @@ BAD = [  # (case, body, status, a phrase of the message, OpenAI's `param`: the r
     ("chat tool role", {"model": "retrospec", "messages": [{"role": "tool", "content": "42"}]}, 400, "role",
      "messages"),
     # fields OpenAI defines that this server cannot honour: refused, never silently ignored
-    ("logprobs asked for", completion("hi", logprobs=2), 400, "logprobs", "logprobs"),
-    ("logprobs of the chosen tokens", completion("hi", logprobs=0), 400, "logprobs", "logprobs"),
+    # log probabilities: a completion's logprobs is a count, a chat's a flag with top_logprobs the count (OpenAI's)
+    ("logprobs beyond 20", completion("hi", logprobs=21), 400, "logprobs", "logprobs"),
+    ("negative logprobs", completion("hi", logprobs=-1), 400, "logprobs", "logprobs"),
+    ("completion logprobs true", completion("hi", logprobs=True), 400, "integer", "logprobs"),
+    ("completion logprobs a string", completion("hi", logprobs="2"), 400, "integer", "logprobs"),
+    ("completion top_logprobs", completion("hi", top_logprobs=2), 400, "chat completions field", "top_logprobs"),
+    ("chat logprobs a count", {"model": "retrospec", "messages": [{"role": "user", "content": "hi"}], "logprobs": 2},
+     400, "true or false", "logprobs"),
+    ("chat top_logprobs without logprobs", {"model": "retrospec", "messages": [{"role": "user", "content": "hi"}],
+                                            "top_logprobs": 2}, 400, "logprobs: true", "top_logprobs"),
+    ("chat top_logprobs beyond 20", {"model": "retrospec", "messages": [{"role": "user", "content": "hi"}],
+                                     "logprobs": True, "top_logprobs": 21}, 400, "logprobs", "top_logprobs"),
+    ("chat top_logprobs a string", {"model": "retrospec", "messages": [{"role": "user", "content": "hi"}],
+                                    "logprobs": True, "top_logprobs": "3"}, 400, "integer", "top_logprobs"),
     ("echo", completion("hi", echo=True), 400, "echo", "echo"),
     ("presence penalty", completion("hi", presence_penalty=0.5), 400, "presence_penalty", "presence_penalty"),
     ("frequency penalty", completion("hi", frequency_penalty=-1), 400, "frequency_penalty", "frequency_penalty"),
@@ -173,6 +185,66 @@ def test_bad_input_gets_a_clear_4xx_and_the_server_keeps_serving(server, case):
         assert good.status_code == 200 and good.json()["choices"][0]["token_ids"] == server["reference"][1]
     stack = server["stack"]
     assert wait_until(lambda: stack.engine.free_blocks() == stack.engine.total_blocks())
+
+
+def _stream_chunks(client, path: str, body: dict) -> list[dict]:
+    with client.stream("POST", path, json={**body, "stream": True}) as response:
+        assert response.status_code == 200
+        events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_logprobs_in_openais_shapes_whole_and_streamed(server):
+    # A completion's logprobs: N and a chat reply's logprobs + top_logprobs: one entry per generated token, the
+    # greedy token the most likely one, tokens whose bytes spell the text, and streamed chunks that add up to the
+    # whole response (text offsets continuing across chunks).
+    stack = server["stack"]
+    with httpx.Client(base_url=server["url"], timeout=120) as client:
+        body = completion(server["prompts"][0], logprobs=3)
+        whole = client.post("/v1/completions", json=body).json()["choices"][0]
+        assert whole["token_ids"] == server["reference"][0]
+        lp = whole["logprobs"]
+        n = len(whole["token_ids"])
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == n
+        assert "".join(lp["tokens"]) == whole["text"]  # code tokens: whole characters each
+        assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(n)]
+        for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+            assert len(top) == 3 and top[token] == logprob == max(top.values()) and logprob <= 0
+        chunks = _stream_chunks(client, "/v1/completions", body)
+        streamed = {key: [v for c in chunks for v in c["choices"][0]["logprobs"][key]] for key in lp}
+        assert streamed["tokens"] == lp["tokens"] and streamed["text_offset"] == lp["text_offset"]
+        # fp32 (this server's dtype) verifies other trees this time (the drafter learnt from the first): the same
+        # up to rounding; bitwise in bf16 with the batch-invariant kernels (`tests/test_engine.py`)
+        np.testing.assert_allclose(streamed["token_logprobs"], lp["token_logprobs"], atol=1e-4)
+        assert [list(t) for t in streamed["top_logprobs"]] == [list(t) for t in lp["top_logprobs"]]
+        np.testing.assert_allclose([list(t.values()) for t in streamed["top_logprobs"]],
+                                   [list(t.values()) for t in lp["top_logprobs"]], atol=1e-4)
+        assert client.post("/v1/completions", json=completion(server["prompts"][0])).json()["choices"][0][
+            "logprobs"] is None  # not asked for
+
+        chat_body = {"model": "retrospec", "messages": [{"role": "user", "content": "Say hello in French."}],
+                     "temperature": 0, "max_tokens": 12, "ignore_eos": True, "logprobs": True, "top_logprobs": 2}
+        reply = client.post("/v1/chat/completions", json=chat_body).json()["choices"][0]
+        content = reply["logprobs"]["content"]
+        assert len(content) == len(reply["token_ids"]) == 12
+        for entry, token_id in zip(content, reply["token_ids"]):
+            assert bytes(entry["bytes"]) == stack.token_bytes(token_id)
+            assert entry["token"] == bytes(entry["bytes"]).decode("utf-8", errors="replace")
+            assert len(entry["top_logprobs"]) == 2 and entry["top_logprobs"][0]["logprob"] == entry["logprob"]
+            assert entry["top_logprobs"][0]["bytes"] == entry["bytes"]
+        specials = set(stack.tokenizer.get_added_tokens_decoder()) if hasattr(
+            stack.tokenizer, "get_added_tokens_decoder") else set()
+        spelled = b"".join(bytes(e["bytes"]) for e, t in zip(content, reply["token_ids"]) if t not in specials)
+        assert spelled.decode("utf-8", errors="replace") == reply["message"]["content"]
+        chat_chunks = _stream_chunks(client, "/v1/chat/completions", chat_body)
+        streamed = [e for c in chat_chunks for e in c["choices"][0]["logprobs"]["content"]]
+        assert [(e["token"], e["bytes"]) for e in streamed] == [(e["token"], e["bytes"]) for e in content]
+        np.testing.assert_allclose([e["logprob"] for e in streamed], [e["logprob"] for e in content], atol=1e-4)
+        plain = client.post("/v1/chat/completions", json={**chat_body, "logprobs": False, "top_logprobs": None})
+        assert plain.json()["choices"][0]["logprobs"] is None
+        only_chosen = client.post("/v1/chat/completions", json={**chat_body, "top_logprobs": None}).json()
+        assert [e["top_logprobs"] for e in only_chosen["choices"][0]["logprobs"]["content"]] == [[]] * 12
 
 
 def test_fields_sent_at_their_defaults_are_served(server):

@@ -89,7 +89,21 @@ def test_engine_refuses_unknown_prompts_and_sampling(eval_trajectories):
         engine.add_request("x", [1, 2, 3], SamplingParams())
     with pytest.raises(RequestError, match="greedy"):
         engine.add_request("y", tr.prompt_ids.tolist(), SamplingParams(temperature=0.7))
+    with pytest.raises(RequestError, match="log probabilities"):  # it replays tokens: it has none to give
+        engine.add_request("z", tr.prompt_ids.tolist(), SamplingParams(logprobs=2))
     assert engine.free_blocks() == engine.total_blocks() and not engine.requests
+    # the orchestrator says so at submit, naming the field (a 400 over HTTP), before anything is queued
+    from orchestrator.budget import BudgetController, BudgetPolicy
+    from orchestrator.core import Orchestrator
+    from orchestrator.request import GenerationRequest
+    from trt_engines.base import InvalidField
+
+    orchestrator = Orchestrator(engine, Drafter(DrafterConfig(sources="input")), BudgetController(
+        BudgetPolicy.parse("none"), StepTimeModel(LLAMA_8B, KNOWN_HARDWARE["H100-SXM"])))
+    with pytest.raises(InvalidField, match="SimulatedEngine does not return log probabilities") as refused:
+        orchestrator.submit(GenerationRequest(prompt_ids=tuple(tr.prompt_ids.tolist()),
+                                              sampling=SamplingParams(logprobs=0)))
+    assert refused.value.field == "logprobs" and orchestrator.idle
 
 
 def test_prefix_caching_charges_only_the_prompt_tokens_no_earlier_request_left(eval_trajectories):

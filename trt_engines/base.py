@@ -67,18 +67,25 @@ def check_cpu_kernels(value: str) -> None:
         raise ValueError(f"cpu_kernels must be one of {', '.join(CPU_KERNEL_CHOICES)}; got {value!r}")
 
 
+MAX_LOGPROBS = 20  # most likely tokens a request may ask for per position (OpenAI's chat limit, vLLM's default)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How a request picks target tokens. temperature 0 = greedy (argmax); otherwise softmax(logits / temperature)
     restricted to the `top_k` most likely tokens (0 = all) and then to the smallest top set whose mass reaches
     `top_p` (with every token as likely as its least likely one: ties at the edge are kept, whatever a sort's
     order). `seed` (None = a random one) fixes the draw at every position of the output: a seeded request samples
-    the same tokens again, with speculation or without."""
+    the same tokens again, with speculation or without. `logprobs` (None = none) asks for each output token's log
+    probability and the `logprobs` most likely tokens' (at most MAX_LOGPROBS), under the model's own distribution:
+    log_softmax of its logits, before temperature, top-k and top-p (what vLLM returns by default); it changes no
+    token."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0):
@@ -90,17 +97,24 @@ class SamplingParams:
             raise InvalidField("top_k", f"top_k must be an int >= 0 (0 = no top-k cut); got {self.top_k!r}")
         if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
             raise InvalidField("seed", f"seed must be None or an int in [0, 2**63); got {self.seed!r}")
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)
+                                              and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidField("logprobs", f"logprobs must be None or an int in [0, {MAX_LOGPROBS}] (how many of the "
+                                           f"most likely tokens to return beside the chosen one); got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
 
-def check_new_request(request_id, sampling, active) -> None:
-    """What every engine checks before admitting a request: `sampling` is a SamplingParams, the id is hashable and
-    not already active. Raises RequestError (nothing changed)."""
+def check_new_request(request_id, sampling, active, *, returns_logprobs: bool = False) -> None:
+    """What every engine checks before admitting a request: `sampling` is a SamplingParams (asking for logprobs only
+    of an engine that `returns_logprobs`), the id is hashable and not already active. Raises RequestError (nothing
+    changed)."""
     if not isinstance(sampling, SamplingParams):
         raise RequestError(request_id, f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    if sampling.logprobs is not None and not returns_logprobs:
+        raise RequestError(request_id, "this engine does not return log probabilities: send logprobs=None")
     try:
         hash(request_id)
     except TypeError:
@@ -125,10 +139,25 @@ class VerifyItem:
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """Log probabilities at R verified positions (rows in `target_tokens`' order): of the target token chosen there
+    (`chosen`), and the k most likely tokens there, most likely first (`top_ids`, `top_logprobs`; k =
+    `SamplingParams.logprobs`)."""
+
+    chosen: np.ndarray  # float32 [R]
+    top_ids: np.ndarray  # int64 [R, k]
+    top_logprobs: np.ndarray  # float32 [R, k]
+
+    def rows(self, index) -> "TokenLogprobs":
+        return TokenLogprobs(self.chosen[index], self.top_ids[index], self.top_logprobs[index])
+
+
+@dataclass(frozen=True)
 class VerifyResult:
     request_id: object
     target_tokens: np.ndarray  # int32 [n + 1]: target token after the root, then after each node
     logits: "object | None" = None  # fp32 [n + 1, vocab] in the same order, when the engine was asked for them
+    logprobs: TokenLogprobs | None = None  # in the same order, for a request whose sampling asks for them
 
 
 @dataclass(frozen=True)
@@ -144,7 +173,9 @@ class TargetEngine(Protocol):
     eos_token_ids: tuple[int, ...]
 
     def add_request(self, request_id, prompt_ids: Sequence[int], sampling: SamplingParams) -> int:
-        """Prefill the prompt; return the first generated token (the root of the first verify)."""
+        """Prefill the prompt; return the first generated token (the root of the first verify). Engines with
+        `returns_logprobs` True also serve `sampling.logprobs`: `first_token_logprobs(request_id)` gives that
+        token's (one row of `TokenLogprobs`), and each `VerifyResult.logprobs` its rows'; others refuse it."""
 
     def verify(self, items: Sequence[VerifyItem]) -> VerifyOutput:
         """One forward over every item's [root, nodes...]; target tokens per position."""

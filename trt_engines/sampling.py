@@ -18,7 +18,7 @@ import torch
 from numba import njit, prange
 from torch import Tensor
 
-from trt_engines.base import SamplingParams
+from trt_engines.base import SamplingParams, TokenLogprobs
 
 
 def greedy_tokens(logits: Tensor) -> np.ndarray:
@@ -196,6 +196,18 @@ def sample_requests(logits: Tensor, requests: Sequence[tuple[SamplingParams, int
     uniforms = np.concatenate([position_uniforms(seed, positions) for _, seed, positions in drawn])
     tokens[keep] = draw_tokens(probs, floors, uniforms).cpu().numpy()
     return tokens
+
+
+def token_logprobs(logits: Tensor, tokens: np.ndarray, k: int) -> TokenLogprobs:
+    """Per row of `logits` [R, V]: the log probability of `tokens[r]` and the k most likely tokens' (most likely
+    first), under log_softmax of the logits themselves (the model's distribution, before any sampling filter).
+    PyTorch's log_softmax works row by row (a row's bits do not depend on the rows beside it), so a position's log
+    probabilities are the same verified in any tree or batch as decoded plainly, where its logits are."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    index = torch.as_tensor(np.asarray(tokens, np.int64), device=logprobs.device)[:, None]
+    chosen = logprobs.gather(1, index)[:, 0]
+    top_logprobs, top_ids = torch.topk(logprobs, k, dim=-1)
+    return TokenLogprobs(chosen.cpu().numpy(), top_ids.cpu().numpy(), top_logprobs.cpu().numpy())
 
 
 def compile_cpu_kernels() -> None:

@@ -83,6 +83,7 @@ from trt_engines.base import (
     KVCacheFullError,
     RequestError,
     SamplingParams,
+    TokenLogprobs,
     VerifyItem,
     VerifyOutput,
     VerifyResult,
@@ -98,7 +99,7 @@ from trt_engines.cpu_kernels import (
 from trt_engines.kv_cache import PagedKVCache
 from trt_engines.llama import Linear, Transformer
 from trt_engines.prepare import resolve_model_dir
-from trt_engines.sampling import greedy_tokens, sample_requests, sample_tokens
+from trt_engines.sampling import greedy_tokens, sample_requests, sample_tokens, token_logprobs
 
 
 @dataclass
@@ -113,6 +114,7 @@ class _Request:
     cache_salt: str | None = None
     committed: list[np.ndarray] | None = None  # with prefix caching: the cached tokens, in runs (prompt, commits)
     prompt: np.ndarray | None = None  # while the prompt is prefilled in chunks: all of it (ctx_len tokens are in)
+    first_logprobs: TokenLogprobs | None = None  # the first token's, with `sampling.logprobs`, until taken
 
 
 @dataclass(frozen=True)
@@ -335,6 +337,7 @@ class TorchEngine:
     # batched SDPA calls per layer, each over requests of similar tree size and context, padded within the call
     # (`_PagedAttention`, `plan_attention_groups`); "packed" with the CPU kernels (each request over its own keys).
     attention_layout = "grouped"
+    returns_logprobs = True  # `SamplingParams.logprobs` is served (`first_token_logprobs`, `VerifyResult.logprobs`)
 
     def __init__(
         self,
@@ -475,7 +478,7 @@ class TorchEngine:
         None while some are left; `prefill` computes the next chunk. The prompt's KV blocks are all taken now. Where
         the prefill is batch-invariant (the numba kernels, or the numba attention with prefix caching) the chunks
         give bitwise a whole prefill's K/V and first token."""
-        check_new_request(request_id, sampling, self._requests)
+        check_new_request(request_id, sampling, self._requests, returns_logprobs=True)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise RequestError(request_id, f"cache_salt must be a string or None; got {type(cache_salt).__name__}")
         if prefill_tokens is not None:
@@ -547,9 +550,18 @@ class TorchEngine:
             return None
         logits = self.model.logits(hidden[-1:])
         req.root = int(sample_tokens(logits, req.sampling, req.seed, np.array([end]))[0])
+        if req.sampling.logprobs is not None:
+            req.first_logprobs = token_logprobs(logits, np.array([req.root]), req.sampling.logprobs)
         req.ctx_len, req.prompt = end, None
         self.kv.publish(request_id, prompt, end, salt=req.cache_salt)
         return req.root
+
+    def first_token_logprobs(self, request_id) -> TokenLogprobs | None:
+        """The log probabilities of the first generated token (one row), for a request whose sampling asks for them;
+        None otherwise. Given once: the orchestrator takes them with that token."""
+        req = self._get(request_id)
+        taken, req.first_logprobs = req.first_logprobs, None
+        return taken
 
     def cached_prompt_tokens(self, request_id) -> int:
         """How many of the request's prompt tokens were read from the prefix cache rather than computed."""
@@ -619,18 +631,22 @@ class TorchEngine:
             torch.cuda.synchronize(self.device)
         t2 = time.perf_counter()
         targets = self._sample(segments, logits)
+        logprobs = self._logprobs(segments, logits, targets)
         per_item = logits.split([len(s.tokens) for s in segments]) if return_logits else [None] * len(items)
         results = []
-        for item, order, tok, rows in zip(items, layouts, targets, per_item):
+        for item, order, tok, rows, lp in zip(items, layouts, targets, per_item, logprobs):
             req = self._requests[item.request_id]
             req.pending, req.slot_of = item.tree, None
             if order is not None:  # back to the caller's node order; commit maps nodes to slots
                 req.slot_of = np.empty(len(order), np.int64)
                 req.slot_of[order] = np.arange(len(order))
-                tok = np.concatenate([tok[:1], tok[1:][req.slot_of]])
+                in_order = np.concatenate([[0], req.slot_of + 1])
+                tok = tok[in_order]
                 if rows is not None:
-                    rows = rows[torch.as_tensor(np.concatenate([[0], req.slot_of + 1]), device=rows.device)]
-            results.append(VerifyResult(item.request_id, tok, None if rows is None else rows.clone()))
+                    rows = rows[torch.as_tensor(in_order, device=rows.device)]
+                if lp is not None:
+                    lp = lp.rows(in_order)
+            results.append(VerifyResult(item.request_id, tok, None if rows is None else rows.clone(), lp))
         t3 = time.perf_counter()
         timings = {
             "prepare_ms": (t1 - t0) * 1e3, "forward_ms": (t2 - t1) * 1e3, "sample_ms": (t3 - t2) * 1e3,
@@ -763,6 +779,18 @@ class TorchEngine:
                                         batch_invariant=batch_invariant)
         with sdpa_backends_for(self.device):
             return self.model(tokens, positions, attention, invariant_rows=batch_invariant)
+
+    def _logprobs(self, segments: Sequence[_Segment], logits: Tensor,
+                  targets: list[np.ndarray]) -> list[TokenLogprobs | None]:
+        """Per segment, its rows' `token_logprobs` where its request asks for them (its rows alone: nothing for the
+        others), else None."""
+        out, start = [], 0
+        for segment, tokens in zip(segments, targets):
+            k = self._requests[segment.request_id].sampling.logprobs
+            stop = start + len(segment.tokens)
+            out.append(None if k is None else token_logprobs(logits[start:stop], tokens, k))
+            start = stop
+        return out
 
     def _sample(self, segments: Sequence[_Segment], logits: Tensor) -> list[np.ndarray]:
         """Target tokens per segment from fp32 `logits` [tokens, vocab]: one argmax over all rows when every request

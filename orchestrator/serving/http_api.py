@@ -10,10 +10,17 @@ responses, and `usage.prompt_tokens_details.cached_tokens` as OpenAI reports it.
 `temperature` defaults to 1.0 (sampling): send `"temperature": 0` for greedy output, and without `max_tokens` (or
 with null) a completion stops after 16 tokens and a chat reply runs to EOS, a stop string or the end of the context.
 
+Log probabilities as OpenAI returns them: a completion's `logprobs: N` gives `choices[].logprobs` = {tokens,
+token_logprobs, top_logprobs (the N most likely per position), text_offset}; a chat reply's `logprobs: true` (with
+`top_logprobs: N`) gives `choices[].logprobs.content` = [{token, logprob, bytes, top_logprobs}]; streamed, each chunk
+carries its own tokens'. N is at most 20 (`MAX_LOGPROBS`; OpenAI's completions stop at 5). They are the model's own
+(log_softmax of its logits, before temperature, top-k and top-p, as vLLM returns by default), and speculation does
+not change them: bitwise where the engine's numerics are batch-invariant (bf16 on the CPU), up to rounding in fp32.
+
 Fields that OpenAI defines but this server cannot honour are refused unless they carry their default (null, false or
-0): `logprobs` (the engines return tokens, not log probabilities), `echo`, and `presence_penalty` /
-`frequency_penalty` (a penalty changes the distribution that verification must reproduce). A client that sends the
-defaults explicitly is served; one that asks for more gets a 400 naming the field, never output silently without it.
+0): `echo`, and `presence_penalty` / `frequency_penalty` (a penalty changes the distribution that verification must
+reproduce). A client that sends the defaults explicitly is served; one that asks for more gets a 400 naming the field,
+never output silently without it.
 
 Example:
 
@@ -32,14 +39,14 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from orchestrator.request import FinishReason, GenerationRequest, RequestOutput
+from orchestrator.request import FinishReason, GenerationRequest, RequestOutput, TokenLogprob
 from orchestrator.serving.stack import ServingStack
 from trt_engines.base import InvalidField
 
 _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.CANCELLED: "abort"}
 _FIELDS = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
            "seed", "stop", "stream", "stream_options", "ignore_eos", "tpot_ms", "cache_salt", "n", "user", "logprobs",
-           "echo", "presence_penalty", "frequency_penalty"}
+           "top_logprobs", "echo", "presence_penalty", "frequency_penalty"}
 
 
 class ApiError(Exception):
@@ -143,11 +150,9 @@ def _check_model(body: dict, name: str) -> None:
 
 
 # OpenAI fields this server accepts only at their default (null or false, and 0 where `zero_is_default`):
-# (field, zero_is_default, why it cannot be honoured, what to send instead). logprobs=0 is no default: OpenAI's legacy
-# completions then return the chosen tokens' log probabilities.
+# (field, zero_is_default, why it cannot be honoured, what to send instead)
 _PENALTY = "penalties are not supported: they change the distribution that lossless verification reproduces"
 _DEFAULT_ONLY = (
-    ("logprobs", False, "log probabilities are not returned by this server", "leave it out, or send null or false"),
     ("echo", False, "the prompt is not echoed", "leave it out, or send false; the prompt's text is the caller's"),
     ("presence_penalty", True, _PENALTY, "leave it out, or send 0"),
     ("frequency_penalty", True, _PENALTY, "leave it out, or send 0"),
@@ -210,8 +215,33 @@ def _max_tokens(body: dict, *, chat: bool) -> int | None:
     return None if chat else 16
 
 
+def _logprobs(body: dict, *, chat: bool) -> int | None:
+    """How many of the most likely tokens to return per position (None: no log probabilities): a completion's
+    `logprobs: N`; a chat reply's `logprobs: true` with `top_logprobs: N` (0 when left out), as OpenAI has them."""
+    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
+    if not chat:
+        if top is not None:
+            raise ApiError(400, "top_logprobs is a chat completions field; a completion takes logprobs: N (the most "
+                                "likely tokens per position)", param="top_logprobs")
+        if isinstance(logprobs, bool):
+            raise ApiError(400, f"logprobs must be an integer (the most likely tokens per position) for a "
+                                f"completion; got {logprobs!r}", param="logprobs")
+        return logprobs
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise ApiError(400, f"logprobs must be true or false for a chat completion (top_logprobs: N sets how many "
+                            f"of the most likely tokens); got {logprobs!r}", param="logprobs")
+    if top is not None and not logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    if not logprobs:
+        return None
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int)):
+        raise ApiError(400, f"top_logprobs must be an integer; got {top!r}", param="top_logprobs")
+    return 0 if top is None else top
+
+
 def _build(stack: ServingStack, body: dict, *, chat: bool, **prompt) -> GenerationRequest:
     _check_fields(body)
+    logprobs = _logprobs(body, chat=chat)
     tpot_ms = body.get("tpot_ms")
     if tpot_ms is not None and (isinstance(tpot_ms, bool) or not isinstance(tpot_ms, (int, float)) or
                                 not tpot_ms > 0):
@@ -230,9 +260,12 @@ def _build(stack: ServingStack, body: dict, *, chat: bool, **prompt) -> Generati
             tpot_s=None if tpot_ms is None else tpot_ms / 1e3,
             ignore_eos=bool(body.get("ignore_eos")),
             cache_salt=body.get("cache_salt"),
+            logprobs=logprobs,
         )
     except ValueError as exc:
         field = exc.field if isinstance(exc, InvalidField) else None
+        if field == "logprobs" and chat:
+            field = "top_logprobs"  # a chat request's count is its top_logprobs
         raise ApiError(400, str(exc), param=field and _param(field, body, chat=chat)) from None
 
 
@@ -257,29 +290,59 @@ async def _respond(stack: ServingStack, body: dict, gen: GenerationRequest, *, c
                 yield out
 
     if body.get("stream"):
-        return StreamingResponse(_sse_closing(all_outputs(), rid, created, model, gen, chat=chat,
+        return StreamingResponse(_sse_closing(all_outputs(), stack, rid, created, model, gen, chat=chat,
                                               include_usage=_include_usage(body)),
                                  media_type="text/event-stream")
     tokens: list[int] = []
+    logprobs: list[TokenLogprob] = []
     text = ""
     final = first
     async with aclosing(all_outputs()) as stream:
         async for out in stream:
             tokens += out.token_ids
+            logprobs += out.logprobs or []
             text += out.text
             final = out
     if final.finish_reason == FinishReason.ERROR:
         raise ApiError(500 if final.server_error else 400, final.error or "the request failed",
                        kind=_error_kind(final))
     choice = {"index": 0, "finish_reason": _FINISH.get(final.finish_reason, "stop"), "token_ids": tokens}
+    wire_logprobs = _wire_logprobs(stack, gen, logprobs, chat=chat)
     if chat:
         choice["message"] = {"role": "assistant", "content": text}
+        choice["logprobs"] = wire_logprobs
     else:
-        choice.update(text=text, logprobs=None)
+        choice.update(text=text, logprobs=wire_logprobs)
     return JSONResponse({
         "id": rid, "object": "chat.completion" if chat else "text_completion", "created": created, "model": model,
         "choices": [choice], "usage": _usage(gen, len(tokens), final), "retrospec": _stats(final),
     })
+
+
+def _wire_logprobs(stack: ServingStack, gen: GenerationRequest, entries: list[TokenLogprob], *, chat: bool,
+                   text_offset: int = 0) -> dict | None:
+    """OpenAI's `logprobs` object of a choice (or of one streamed chunk) for these tokens' entries; None where the
+    request did not ask for log probabilities. A token's text is its bytes decoded (a part of a UTF-8 character
+    reads as U+FFFD; `bytes` has the bytes themselves); a completion's `text_offset` counts characters of those
+    texts from `text_offset` on."""
+    if gen.sampling.logprobs is None:
+        return None
+
+    def token(token_id: int) -> tuple[str, bytes]:
+        raw = stack.token_bytes(token_id)
+        return raw.decode("utf-8", errors="replace"), raw
+
+    if chat:
+        def item(token_id: int, logprob: float) -> dict:
+            text, raw = token(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(raw)}
+
+        return {"content": [item(e.token_id, e.logprob) | {"top_logprobs": [item(i, lp) for i, lp in e.top]}
+                            for e in entries], "refusal": None}
+    texts = [token(e.token_id)[0] for e in entries]
+    offsets = [text_offset + sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+    return {"tokens": texts, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{token(i)[0]: lp for i, lp in e.top} for e in entries], "text_offset": offsets}
 
 
 def _error_kind(out: RequestOutput) -> str:
@@ -288,13 +351,14 @@ def _error_kind(out: RequestOutput) -> str:
     return "server_error" if out.server_error else "invalid_request_error"
 
 
-async def _sse(outputs: AsyncIterator[RequestOutput], rid: str, created: int, model: str, gen: GenerationRequest,
-               *, chat: bool, include_usage: bool) -> AsyncIterator[bytes]:
+async def _sse(outputs: AsyncIterator[RequestOutput], stack: ServingStack, rid: str, created: int, model: str,
+               gen: GenerationRequest, *, chat: bool, include_usage: bool) -> AsyncIterator[bytes]:
     """The stream's events. With `include_usage`, OpenAI's shape: every chunk has `usage: null`, and one more chunk
     with no choices carries the usage (and the `retrospec` statistics) before `[DONE]`; without it, the last chunk
     carries them beside its choice."""
     kind = "chat.completion.chunk" if chat else "text_completion"
     count = 0
+    offset = 0  # characters of the token texts streamed so far (a completion's `text_offset`)
     first = True
     async for out in outputs:  # a client disconnect cancels this generator, and the stream cancels the request
         count += len(out.token_ids)
@@ -305,10 +369,14 @@ async def _sse(outputs: AsyncIterator[RequestOutput], rid: str, created: int, mo
             break
         choice: dict = {"index": 0, "token_ids": out.token_ids,
                         "finish_reason": _FINISH.get(out.finish_reason) if out.finished else None}
+        wire_logprobs = _wire_logprobs(stack, gen, out.logprobs or [], chat=chat, text_offset=offset)
         if chat:
             choice["delta"] = ({"role": "assistant"} if first else {}) | {"content": out.text}
+            choice["logprobs"] = wire_logprobs
         else:
-            choice.update(text=out.text, logprobs=None)
+            choice.update(text=out.text, logprobs=wire_logprobs)
+            if wire_logprobs is not None:
+                offset += sum(len(t) for t in wire_logprobs["tokens"])
         chunk = {"id": rid, "object": kind, "created": created, "model": model, "choices": [choice]}
         totals = {"usage": _usage(gen, count, out), "retrospec": _stats(out)} if out.finished else None
         if include_usage:

@@ -15,6 +15,8 @@ Example:
 
 from __future__ import annotations
 
+import functools
+import json
 import threading
 from contextlib import aclosing
 from collections.abc import AsyncIterator, Sequence
@@ -225,6 +227,21 @@ class ServingStack:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for (OpenAI's logprobs `bytes`): a byte-level BPE piece mapped back through its
+        byte alphabet (one token may hold part of a UTF-8 character), else the token's decoded text."""
+        alphabet = self._byte_alphabet
+        piece = self.tokenizer.id_to_token(int(token_id))
+        if alphabet is not None and piece is not None and all(c in alphabet for c in piece):
+            return bytes(alphabet[c] for c in piece)
+        return self.tokenizer.decode([int(token_id)], skip_special_tokens=False).encode("utf-8")
+
+    @functools.cached_property
+    def _byte_alphabet(self) -> dict[str, int] | None:
+        """Character -> byte of a byte-level BPE tokenizer's alphabet, None for other tokenizers."""
+        decoder = json.loads(self.tokenizer.to_str()).get("decoder") or {}
+        return byte_level_alphabet() if decoder.get("type") == "ByteLevel" else None
+
     def render_chat(self, messages: Sequence[dict]) -> str:
         """The model's chat template applied to OpenAI-style messages, with the assistant turn opened."""
         if not isinstance(messages, (list, tuple)) or not messages:
@@ -251,9 +268,11 @@ class ServingStack:
         tpot_s: float | None = None,
         ignore_eos: bool = False,
         cache_salt: str | None = None,
+        logprobs: int | None = None,
     ) -> GenerationRequest:
         """Validate wire-level fields and build a request; the `InvalidField` (a ValueError) names the bad field and
-        the fix. `max_tokens=None`: as many as the model's context holds after the prompt."""
+        the fix. `max_tokens=None`: as many as the model's context holds after the prompt. `logprobs`: None, or how
+        many of the most likely tokens to return beside each output token's own log probability."""
         if (text is None) == (prompt_ids is None):
             raise InvalidField("prompt", "send exactly one of a text prompt or prompt token ids")
         if text is not None:
@@ -289,7 +308,8 @@ class ServingStack:
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
             raise InvalidField("stop", f"stop must be a string or a list of strings; got {stop!r}")
         sampling = SamplingParams(temperature=_number(temperature, "temperature"), top_p=_number(top_p, "top_p"),
-                                  top_k=_integer(top_k, "top_k"), seed=None if seed is None else _integer(seed, "seed"))
+                                  top_k=_integer(top_k, "top_k"), seed=None if seed is None else _integer(seed, "seed"),
+                                  logprobs=None if logprobs is None else _integer(logprobs, "logprobs"))
         return GenerationRequest(prompt_ids=tuple(ids), max_tokens=int(max_tokens), sampling=sampling,
                                  stop_strings=tuple(stop), ignore_eos=bool(ignore_eos),
                                  tpot_s=None if tpot_s is None else _number(tpot_s, "tpot_s"),
@@ -375,6 +395,15 @@ def _chat_text(message: dict, i: int) -> str:
             texts.append(part["text"])
         return "\n".join(texts)
     raise ValueError(f"messages[{i}].content must be a string or a non-empty list of text parts; got {content!r}")
+
+
+def byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet (`tokenizers`' ByteLevel, `ByteLevel.alphabet()`), character -> byte: printable
+    Latin-1 bytes stand for themselves, the other 68 for the characters from U+0100 on, in byte order. (transformers
+    has the same table, at a module path that moved between its versions.)"""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
 
 
 def _number(value, name: str) -> float:
