@@ -140,7 +140,7 @@ BAD = [  # (case, body, status, a phrase of the message, OpenAI's `param`: the r
     ("chat top_logprobs without logprobs", {"model": "retrospec", "messages": [{"role": "user", "content": "hi"}],
                                             "top_logprobs": 2}, 400, "logprobs: true", "top_logprobs"),
     ("chat top_logprobs beyond 20", {"model": "retrospec", "messages": [{"role": "user", "content": "hi"}],
-                                     "logprobs": True, "top_logprobs": 21}, 400, "logprobs", "top_logprobs"),
+                                     "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs must be", "top_logprobs"),
     ("chat top_logprobs a string", {"model": "retrospec", "messages": [{"role": "user", "content": "hi"}],
                                     "logprobs": True, "top_logprobs": "3"}, 400, "integer", "top_logprobs"),
     ("echo", completion("hi", echo=True), 400, "echo", "echo"),

@@ -41,7 +41,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from orchestrator.request import FinishReason, GenerationRequest, RequestOutput, TokenLogprob
 from orchestrator.serving.stack import ServingStack
-from trt_engines.base import InvalidField
+from trt_engines.base import MAX_LOGPROBS, InvalidField
 
 _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.CANCELLED: "abort"}
 _FIELDS = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
@@ -234,8 +234,9 @@ def _logprobs(body: dict, *, chat: bool) -> int | None:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     if not logprobs:
         return None
-    if top is not None and (isinstance(top, bool) or not isinstance(top, int)):
-        raise ApiError(400, f"top_logprobs must be an integer; got {top!r}", param="top_logprobs")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_LOGPROBS):
+        raise ApiError(400, f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}] (the most likely tokens per "
+                            f"position); got {top!r}", param="top_logprobs")
     return 0 if top is None else top
 
 
@@ -264,8 +265,6 @@ def _build(stack: ServingStack, body: dict, *, chat: bool, **prompt) -> Generati
         )
     except ValueError as exc:
         field = exc.field if isinstance(exc, InvalidField) else None
-        if field == "logprobs" and chat:
-            field = "top_logprobs"  # a chat request's count is its top_logprobs
         raise ApiError(400, str(exc), param=field and _param(field, body, chat=chat)) from None
 
 
