@@ -57,8 +57,8 @@ def nucleus_threshold(probs: Tensor, top_p: float | np.ndarray) -> Tensor:
     the kept set does not depend on how a sort orders equal probabilities. `top_p`: one for every row, or one per
     row (a row of top_p 1 gets 0: every token). Returns [R].
 
-    Neither way sorts the vocabulary: the sampler that sorted it (49152 tokens) took 4.6 ms for a row on the 2-core
-    AVX2 EPYC, and 36.5 ms for a 16-node tree's 17 rows (`benchmarks/results/sampling.md`). On the CPU a numba kernel sorts only the
+    Neither way sorts the vocabulary: the sampler that sorted it (49152 tokens) took 4.7 ms for a row on the 2-core
+    AVX2 EPYC, and 38.3 ms for a 16-node tree's 17 rows (`benchmarks/results/sampling.md`). On the CPU a numba kernel sorts only the
     tokens within a factor 16, 256, ... of the row's most probable one, until they hold `top_p` (`_nucleus_floors`);
     elsewhere `torch.topk` widens the same way (`_nucleus_by_topk`)."""
     top_p = np.broadcast_to(np.asarray(top_p, np.float32), probs.shape[:1])
@@ -156,7 +156,7 @@ def sample_requests(logits: Tensor, requests: Sequence[tuple[SamplingParams, int
     """`sample_tokens` for a verify step's requests at once: `requests[i]` = (sampling, seed, positions) owns the
     next len(positions) rows of `logits` [R, V]. Returns int64 [R]. Each row's token depends on its own row, params,
     seed and position alone, whatever else the call holds: the filters, the softmax and the kernels all work row by
-    row. One call rather than one per request: 3.2 against 7.0 ms for 16 one-row requests, 3.1 against 4.1 for 4
+    row. One call rather than one per request: 3.3 against 8.0 ms for 16 one-row requests, 3.4 against 4.3 for 4
     requests of 5 rows (`benchmarks/results/sampling.md`)."""
     sizes = [len(positions) for _, _, positions in requests]
     if sum(sizes) != logits.shape[0]:
@@ -184,11 +184,17 @@ def sample_requests(logits: Tensor, requests: Sequence[tuple[SamplingParams, int
     temperature = torch.from_numpy(per_row([params.temperature for params, _, _ in drawn], np.float32))
     scaled = rows.float() / temperature.to(rows.device)[:, None]  # the kernels take fp32 (the engine's logits are)
     if any(0 < params.top_k < scaled.shape[-1] for params, _, _ in drawn):
+        # each row's k-th largest logit (-inf: no top-k cut), then one `torch.where` over every row, rather than each
+        # top_k's masked rows written back through an index: 0.75x the time for 17 rows at top_k 50 (one-off
+        # interleaved A/B, the same tokens, 2-core AVX2 EPYC; an in-place `masked_fill_` took twice `torch.where`'s
+        # time there). `sampling.md` has the time.
         top_k = per_row([params.top_k for params, _, _ in drawn], np.int64)
+        kth = torch.full((scaled.shape[0], 1), -math.inf, device=scaled.device)
         for k in set(top_k[(top_k > 0) & (top_k < scaled.shape[-1])].tolist()):  # rows of one top_k: one call
             at = torch.from_numpy(np.flatnonzero(top_k == k)).to(scaled.device)
-            part = scaled[at]
-            scaled[at] = part.masked_fill(part < torch.topk(part, k, dim=-1).values[:, -1:], -math.inf)
+            part = scaled if at.numel() == scaled.shape[0] else scaled[at]
+            kth[at] = torch.topk(part, k, dim=-1).values[:, -1:]
+        scaled = torch.where(scaled < kth, -math.inf, scaled)
     probs = scaled.softmax(dim=-1)
     # top-p keeps the tokens at least as probable as the nucleus's least probable one; the draw renormalizes them
     floors = (nucleus_threshold(probs, per_row([params.top_p for params, _, _ in drawn], np.float32))
@@ -269,8 +275,8 @@ def _block_mass(row, floor, start, stop):
 def _invert_cdfs(probs, floors, uniforms, out):
     """`draw_tokens` on the CPU into `out`: one fused pass of float64 block sums over each row, then a scan of the
     one block the draw falls in, where PyTorch took a masked copy, a second softmax, a float64 copy, a cumsum over
-    the whole vocabulary and a search (with `_nucleus_floors`: 2.9 against 8.6 ms for 17 rows at top_p 0.95, 1.6
-    against 3.0 at top_p 1; `benchmarks/results/sampling.md`).
+    the whole vocabulary and a search (with `_nucleus_floors`: 3.1 against 8.9 ms for 17 rows at top_p 0.95, 1.6
+    against 2.9 at top_p 1; `benchmarks/results/sampling.md`).
     Each row is computed alone, in the same order whatever else the batch holds. Where rounding leaves the draw
     past the block sums' or the block's last sum, it is the last kept token before that point; a row with no kept
     mass (NaN logits) draws token 0."""
