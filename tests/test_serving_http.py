@@ -128,7 +128,6 @@ BAD = [  # (case, body, status, a phrase of the message, OpenAI's `param`: the r
         {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]}, 400, "text part", "messages"),
     ("chat tool role", {"model": "retrospec", "messages": [{"role": "tool", "content": "42"}]}, 400, "role",
      "messages"),
-    # fields OpenAI defines that this server cannot honour: refused, never silently ignored
     # log probabilities: a completion's logprobs is a count, a chat's a flag with top_logprobs the count (OpenAI's)
     ("logprobs beyond 20", completion("hi", logprobs=21), 400, "logprobs", "logprobs"),
     ("negative logprobs", completion("hi", logprobs=-1), 400, "logprobs", "logprobs"),
@@ -143,6 +142,7 @@ BAD = [  # (case, body, status, a phrase of the message, OpenAI's `param`: the r
                                      "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs must be", "top_logprobs"),
     ("chat top_logprobs a string", {"model": "retrospec", "messages": [{"role": "user", "content": "hi"}],
                                     "logprobs": True, "top_logprobs": "3"}, 400, "integer", "top_logprobs"),
+    # fields OpenAI defines that this server cannot honour: refused, never silently ignored
     ("echo", completion("hi", echo=True), 400, "echo", "echo"),
     ("presence penalty", completion("hi", presence_penalty=0.5), 400, "presence_penalty", "presence_penalty"),
     ("frequency penalty", completion("hi", frequency_penalty=-1), 400, "frequency_penalty", "frequency_penalty"),
@@ -233,8 +233,7 @@ def test_logprobs_in_openais_shapes_whole_and_streamed(server):
             assert entry["token"] == bytes(entry["bytes"]).decode("utf-8", errors="replace")
             assert len(entry["top_logprobs"]) == 2 and entry["top_logprobs"][0]["logprob"] == entry["logprob"]
             assert entry["top_logprobs"][0]["bytes"] == entry["bytes"]
-        specials = set(stack.tokenizer.get_added_tokens_decoder()) if hasattr(
-            stack.tokenizer, "get_added_tokens_decoder") else set()
+        specials = set(stack.tokenizer.get_added_tokens_decoder())  # left out of the text, as decoding skips them
         spelled = b"".join(bytes(e["bytes"]) for e, t in zip(content, reply["token_ids"]) if t not in specials)
         assert spelled.decode("utf-8", errors="replace") == reply["message"]["content"]
         chat_chunks = _stream_chunks(client, "/v1/chat/completions", chat_body)
