@@ -149,8 +149,10 @@ def test_logprobs_come_one_per_token_cut_with_them_and_speculation_changes_none(
                 GenerationRequest(prompt_ids=prompt_ids[2], max_tokens=24)]
     expected = [reference[0], reference[1][:7], reference[3][:kept], reference[2]]
     runs = {}
-    for policy in ("none", "fixed:16", "goodput"):
-        orchestrator = make_orchestrator(engine, datastore, policy, tokenizer=tokenizer)
+    # the last: prompts prefilled in chunks (the first token's log probabilities come from the last chunk)
+    for label, policy, options in (("none", "none", {}), ("fixed:16", "fixed:16", {}), ("goodput", "goodput", {}),
+                                   ("chunked", "goodput", {"prefill_chunk": 7})):
+        orchestrator = make_orchestrator(engine, datastore, policy, tokenizer=tokenizer, **options)
         updates: dict[str, list] = {}
         for i, request in enumerate(requests):
             orchestrator.submit(request, lambda out: updates.setdefault(out.request_id, []).append(out),
@@ -166,9 +168,11 @@ def test_logprobs_come_one_per_token_cut_with_them_and_speculation_changes_none(
             assert len(entry.top) == 2 and entry.top[0] == (entry.token_id, entry.logprob) and entry.logprob <= 0
         if policy != "none":
             assert sum(r.realized_tokens - r.batch for r in orchestrator.records if r.batch) > 0  # it speculated
-        runs[policy] = entries
-    for policy in ("fixed:16", "goodput"):  # fp32 verification of other row counts: the same up to rounding
-        for got, want in zip(runs[policy], runs["none"]):
+        if options:
+            assert sum(len(r.prefill_tokens) for r in orchestrator.records) > len(requests)  # several chunks each
+        runs[label] = entries
+    for label in ("fixed:16", "goodput", "chunked"):  # fp32 verification of other row counts: the same up to rounding
+        for got, want in zip(runs[label], runs["none"]):
             assert [e.token_id for e in got] == [e.token_id for e in want]
             np.testing.assert_allclose([e.logprob for e in got], [e.logprob for e in want], atol=1e-4)
             np.testing.assert_allclose([[lp for _, lp in e.top] for e in got], [[lp for _, lp in e.top] for e in want],
