@@ -125,16 +125,26 @@ def test_serve_refuses_bad_options_before_starting_anything(capsys, argv, messag
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_the_config_and_the_flags_share_their_floors():
-    # `INT_FLOORS` is the one table of least values: the config refuses just below each, as the flags do
-    from orchestrator.serving.cli import int_at_least
+def test_the_config_and_the_flags_share_their_floors(capsys):
+    # `INT_FLOORS` is the one table of least values: the config refuses just below each, and so does the serve
+    # parser's flag for each field that has one
+    import argparse
+
+    from orchestrator.serving.cli import _config_args
     from orchestrator.serving.stack import INT_FLOORS, ServingConfig
 
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    _config_args(parser)
+    flags = {a.dest: a.option_strings[0] for a in parser._actions if a.dest in INT_FLOORS}
+    assert set(flags) == {"num_blocks", "max_context", "max_running", "max_body_bytes"}
     for name, least in INT_FLOORS.items():
         assert getattr(ServingConfig(**{name: least}), name) == least
         with pytest.raises(ValueError, match=f"{name} must be an int >= {least}"):
             ServingConfig(**{name: least - 1})
-        assert int_at_least(least)(str(least)) == least
+        if name in flags:
+            assert getattr(parser.parse_args([flags[name], str(least)]), name) == least
+            with pytest.raises(argparse.ArgumentError, match=f"expected a whole number >= {least}"):
+                parser.parse_args([flags[name], str(least - 1)])
 
 
 def test_serve_refuses_a_port_in_use_before_loading_the_model(capsys):
