@@ -30,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 import uuid
@@ -339,7 +340,7 @@ def _wire_logprobs(stack: ServingStack, gen: GenerationRequest, entries: list[To
         return {"content": [item(e.token_id, e.logprob) | {"top_logprobs": [item(i, lp) for i, lp in e.top]}
                             for e in entries], "refusal": None}
     texts = [token(e.token_id)[0] for e in entries]
-    offsets = [text_offset + sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+    offsets = list(itertools.accumulate((len(t) for t in texts[:-1]), initial=text_offset))[: len(texts)]
     return {"tokens": texts, "token_logprobs": [e.logprob for e in entries],
             "top_logprobs": [{token(i)[0]: lp for i, lp in e.top} for e in entries], "text_offset": offsets}
 

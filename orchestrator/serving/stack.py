@@ -240,7 +240,11 @@ class ServingStack:
     def _byte_alphabet(self) -> dict[str, int] | None:
         """Character -> byte of a byte-level BPE tokenizer's alphabet, None for other tokenizers."""
         decoder = json.loads(self.tokenizer.to_str()).get("decoder") or {}
-        return byte_level_alphabet() if decoder.get("type") == "ByteLevel" else None
+        if decoder.get("type") != "ByteLevel":
+            return None
+        from transformers.convert_slow_tokenizer import bytes_to_unicode  # GPT-2's byte -> character table
+
+        return {char: byte for byte, char in bytes_to_unicode().items()}
 
     def render_chat(self, messages: Sequence[dict]) -> str:
         """The model's chat template applied to OpenAI-style messages, with the assistant turn opened."""
@@ -395,15 +399,6 @@ def _chat_text(message: dict, i: int) -> str:
             texts.append(part["text"])
         return "\n".join(texts)
     raise ValueError(f"messages[{i}].content must be a string or a non-empty list of text parts; got {content!r}")
-
-
-def byte_level_alphabet() -> dict[str, int]:
-    """GPT-2's byte-level alphabet (`tokenizers`' ByteLevel, `ByteLevel.alphabet()`), character -> byte: printable
-    Latin-1 bytes stand for themselves, the other 68 for the characters from U+0100 on, in byte order. (transformers
-    has the same table, at a module path that moved between its versions.)"""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
 
 
 def _number(value, name: str) -> float:
