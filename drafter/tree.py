@@ -207,6 +207,23 @@ class DraftTree:
         path = self.path_to(int(np.argmax(score)))  # first maximum: the lowest index among equal gains
         return path[base_depth:]  # drop `below` and its ancestors (the first base_depth nodes of the path)
 
+    def accepted_path(self, target_tokens: np.ndarray) -> np.ndarray:
+        """The nodes verification accepts (int32 [a], the root's child first): from the root, the first child whose
+        token equals the target's choice at the current position (`target_tokens[0]` after the root, `[i + 1]` after
+        node i), until no child does. The orchestrator's acceptance and an engine that returns per-token data for the
+        tokens a step yields (log probabilities) both walk it here, so they cannot disagree.
+
+        Duplicate siblings: always the first, never "whichever continues longest". Under sampling each node's target
+        token is an independent draw; choosing a branch by its later draws would bias the output."""
+        path: list[int] = []
+        current = -1  # the root
+        while True:
+            children = np.flatnonzero((self.parents == current) & (self.tokens == target_tokens[current + 1]))
+            if children.size == 0:
+                return np.asarray(path, dtype=np.int32)
+            current = int(children[0])
+            path.append(current)
+
     def path_to(self, node: int) -> np.ndarray:
         """Node indices from the root's child down to `node` (inclusive)."""
         path = []

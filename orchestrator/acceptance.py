@@ -40,18 +40,8 @@ def accept(tree: DraftTree, target_tokens) -> Acceptance:
     n = len(tree)
     if target.shape[0] != n + 1:
         raise ValueError(f"target_tokens has {target.shape[0]} entries; a tree of {n} nodes needs {n + 1} (root + nodes)")
-    path: list[int] = []
-    current = -1  # the root
-    while True:
-        want = target[current + 1]  # target row of the root is 0, of node i is i + 1
-        children = np.nonzero((tree.parents == current) & (tree.tokens == want))[0]
-        if children.size == 0:
-            break
-        # Duplicate siblings: always the first, never "whichever continues longest". Under sampling each node's
-        # target token is an independent draw; choosing a branch by its later draws would bias the output.
-        current = int(children[0])
-        path.append(current)
-    accepted = np.asarray(path, dtype=np.int32)
+    accepted = tree.accepted_path(target)
+    current = int(accepted[-1]) if accepted.size else -1
     bonus = int(target[current + 1])
     new_tokens = np.concatenate([tree.tokens[accepted], [bonus]]).astype(np.int32)
     return Acceptance(accepted_nodes=accepted, bonus_token=bonus, new_tokens=new_tokens)

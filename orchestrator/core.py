@@ -310,10 +310,8 @@ class Orchestrator:
             state.stats.steps += 1
             state.stats.drafted += len(tree)
             state.stats.accepted += verdict.num_accepted
-            # the new tokens are the target tokens of the root's row and each accepted node's
-            logprobs = (None if result.logprobs is None else
-                        token_logprob_list(verdict.new_tokens,
-                                           result.logprobs.rows(np.concatenate([[0], verdict.accepted_nodes + 1]))))
+            # the engine's logprobs rows are those of the new tokens (the target's at the root and each accepted node)
+            logprobs = None if result.logprobs is None else token_logprob_list(verdict.new_tokens, result.logprobs)
             self._advance(state, verdict.accepted_nodes, verdict.new_tokens, logprobs)
 
         self.budget.observe(decision, accepted=np.concatenate(accepted), draft_s=draft_s, cap=cap,

@@ -358,11 +358,11 @@ def test_seeded_sampling_is_reproducible(engine):
 # ---- bad input: a clear error for that request; the others and the cache are untouched -------------------------
 
 
-def test_logprobs_are_the_models_own_at_every_verified_position_in_the_callers_node_order(engine):
-    # `SamplingParams.logprobs`: the first token's from the prefill, and per verified row (root, then each node in
-    # the caller's order, whatever slot order the engine laid the tree out in) the chosen token's log probability and
-    # the k most likely tokens', under log_softmax of the model's logits; checked against those logits and against
-    # transformers' forward over the accepted text.
+def test_logprobs_are_the_models_own_at_each_yielded_token_in_the_callers_node_order(engine):
+    # `SamplingParams.logprobs`: the first token's from the prefill, and per token a verify yields (the root's
+    # target, then each accepted node's, whatever slot order the engine laid the tree out in; no row for a rejected
+    # node) the chosen token's log probability and the k most likely tokens', under log_softmax of the model's
+    # logits; checked against those logits and against transformers' forward over the accepted text.
     transformers = pytest.importorskip("transformers")
     hf = transformers.LlamaForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32).eval()
     rng = np.random.default_rng(21)
@@ -386,25 +386,26 @@ def test_logprobs_are_the_models_own_at_every_verified_position_in_the_callers_n
                                                        return_logits=True).results}
         mine = out[rid]
         assert out[plain_rid].logprobs is None
-        rows = torch.log_softmax(mine.logits, dim=-1)
-        target = torch.as_tensor(mine.target_tokens, dtype=torch.int64)
+        verdict = accept(tree, mine.target_tokens)
+        assert verdict.accepted_nodes.tolist() == [1, 3, 5]
+        path_rows = np.concatenate([[0], verdict.accepted_nodes + 1])
+        rows = torch.log_softmax(mine.logits[torch.as_tensor(path_rows)], dim=-1)
+        assert mine.logprobs.chosen.shape == (len(verdict.new_tokens),)
+        target = torch.as_tensor(verdict.new_tokens, dtype=torch.int64)
         assert np.array_equal(mine.logprobs.chosen, rows.gather(1, target[:, None])[:, 0].numpy())
         top = torch.topk(rows, k, dim=-1)
         assert np.array_equal(mine.logprobs.top_ids, top.indices.numpy())
         assert np.array_equal(mine.logprobs.top_logprobs, top.values.numpy())
-        verdict = accept(tree, mine.target_tokens)
-        assert verdict.accepted_nodes.tolist() == [1, 3, 5]
-        path_rows = np.concatenate([[0], verdict.accepted_nodes + 1])
         text = prompt + [first] + tree.tokens[verdict.accepted_nodes].tolist()
         with torch.no_grad():
             want = torch.log_softmax(hf(torch.tensor([text])).logits[0], dim=-1)[len(prompt) - 1:]
-        got_chosen = np.concatenate([first_lp.chosen, mine.logprobs.chosen[path_rows]])
-        chosen_tokens = [first] + mine.target_tokens[path_rows].tolist()
+        got_chosen = np.concatenate([first_lp.chosen, mine.logprobs.chosen])
+        chosen_tokens = [first] + verdict.new_tokens.tolist()
         want_chosen = want[torch.arange(len(chosen_tokens)), torch.tensor(chosen_tokens)].numpy()
         # fp32 rounding of logits ~30 in size (`test_packed_paged_logits_match_transformers`); a wrong row is off by
         # whole units
         np.testing.assert_allclose(got_chosen, want_chosen, atol=2e-3)
-        got_top = np.concatenate([first_lp.top_logprobs, mine.logprobs.top_logprobs[path_rows]])
+        got_top = np.concatenate([first_lp.top_logprobs, mine.logprobs.top_logprobs])
         np.testing.assert_allclose(got_top, torch.topk(want, k, dim=-1).values.numpy(), atol=2e-3)
     finally:
         engine.release(rid)
@@ -830,9 +831,11 @@ def test_bf16_logprobs_on_any_branch_are_plain_decodings_bitwise(engine_bf16):
                 toks += [int(rng.integers(0, VOCAB)), int(rng.integers(0, VOCAB)), tok]
                 parents += [parent, len(toks) - 3, parent]
                 parent = len(toks) - 1
-            res = engine.verify([VerifyItem(rid, DraftTree.from_arrays(tokens=toks, parents=parents))]).results[0]
+            tree = DraftTree.from_arrays(tokens=toks, parents=parents)
+            res = engine.verify([VerifyItem(rid, tree)]).results[0]
             accepted = [3 * i + 2 for i in range(len(path))]
-            got.append(res.logprobs.rows(np.array([0] + [1 + node for node in accepted])))
+            assert accept(tree, res.target_tokens).accepted_nodes.tolist() == accepted
+            got.append(res.logprobs)  # the rows of the root's target and each accepted node's
             engine.commit(rid, accepted, next_root=int(res.target_tokens[1 + accepted[-1]]))
             done += len(path) + 1
     finally:

@@ -199,7 +199,8 @@ def test_serve_refuses_a_wrong_path_in_one_line_before_loading_the_model(tmp_pat
 
 
 @pytest.mark.parametrize("option, message", [
-    (["--max-context", "100000"], "max_context must lie in [2, 8192] (the model's max_position_embeddings)"),
+    (["--max-context", "100000"], "--max-context must lie in [2, 8192] (the model's max_position_embeddings); "
+                                   "got 100000"),
     (["--dtype", "float16", "--device", "cpu"], "hardware 'nominal-cpu' has no peak FLOP/s for dtype 'float16'"),
 ])
 def test_serve_refuses_options_the_model_or_hardware_cannot_take_in_one_line(capsys, option, message):

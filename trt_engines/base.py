@@ -140,7 +140,7 @@ class VerifyItem:
 
 @dataclass(frozen=True)
 class TokenLogprobs:
-    """Log probabilities at R verified positions (rows in `target_tokens`' order): of the target token chosen there
+    """Log probabilities at R positions, one row per token a step yields: of the target token chosen there
     (`chosen`), and the k most likely tokens there, most likely first (`top_ids`, `top_logprobs`; k =
     `SamplingParams.logprobs`)."""
 
@@ -148,16 +148,15 @@ class TokenLogprobs:
     top_ids: np.ndarray  # int64 [R, k]
     top_logprobs: np.ndarray  # float32 [R, k]
 
-    def rows(self, index) -> "TokenLogprobs":
-        return TokenLogprobs(self.chosen[index], self.top_ids[index], self.top_logprobs[index])
-
 
 @dataclass(frozen=True)
 class VerifyResult:
     request_id: object
     target_tokens: np.ndarray  # int32 [n + 1]: target token after the root, then after each node
     logits: "object | None" = None  # fp32 [n + 1, vocab] in the same order, when the engine was asked for them
-    logprobs: TokenLogprobs | None = None  # in the same order, for a request whose sampling asks for them
+    # For a request whose sampling asks for them: rows of the tokens the step yields only, in their order (the
+    # root's target, then each node of `tree.accepted_path(target_tokens)`'s): the other rows are never output.
+    logprobs: TokenLogprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -175,7 +174,8 @@ class TargetEngine(Protocol):
     def add_request(self, request_id, prompt_ids: Sequence[int], sampling: SamplingParams) -> int:
         """Prefill the prompt; return the first generated token (the root of the first verify). Engines with
         `returns_logprobs` True also serve `sampling.logprobs`: `first_token_logprobs(request_id)` gives that
-        token's (one row of `TokenLogprobs`), and each `VerifyResult.logprobs` its rows'; others refuse it."""
+        token's (one row of `TokenLogprobs`), and each `VerifyResult.logprobs` those of its step's tokens; others
+        refuse it."""
 
     def verify(self, items: Sequence[VerifyItem]) -> VerifyOutput:
         """One forward over every item's [root, nodes...]; target tokens per position."""

@@ -80,6 +80,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from drafter.tree import DraftTree, InvalidTreeError
 from trt_engines.base import (
+    InvalidField,
     KVCacheFullError,
     RequestError,
     SamplingParams,
@@ -396,7 +397,8 @@ class TorchEngine:
         self.eos_token_ids: tuple[int, ...] = args.eos_token_ids
         limit = args.max_position_embeddings
         if max_context is not None and not (2 <= max_context <= limit):
-            raise ValueError(f"max_context must lie in [2, {limit}] (the model's max_position_embeddings); got {max_context}")
+            raise InvalidField("max_context", f"max_context must lie in [2, {limit}] (the model's "
+                                              f"max_position_embeddings); got {max_context}")
         self.max_context: int = max_context or limit
         if num_blocks is None:
             num_blocks = -(-8 * self.max_context // block_size)  # room for 8 full-length requests
@@ -631,22 +633,26 @@ class TorchEngine:
             torch.cuda.synchronize(self.device)
         t2 = time.perf_counter()
         targets = self._sample(segments, logits)
-        logprobs = self._logprobs(segments, logits, targets)
-        per_item = logits.split([len(s.tokens) for s in segments]) if return_logits else [None] * len(items)
+        per_item = logits.split([len(s.tokens) for s in segments])
         results = []
-        for item, order, tok, rows, lp in zip(items, layouts, targets, per_item, logprobs):
+        for item, order, tok, rows in zip(items, layouts, targets, per_item):
             req = self._requests[item.request_id]
             req.pending, req.slot_of = item.tree, None
+            in_order = None
             if order is not None:  # back to the caller's node order; commit maps nodes to slots
                 req.slot_of = np.empty(len(order), np.int64)
                 req.slot_of[order] = np.arange(len(order))
                 in_order = np.concatenate([[0], req.slot_of + 1])
                 tok = tok[in_order]
-                if rows is not None:
-                    rows = rows[torch.as_tensor(in_order, device=rows.device)]
-                if lp is not None:
-                    lp = lp.rows(in_order)
-            results.append(VerifyResult(item.request_id, tok, None if rows is None else rows.clone(), lp))
+            lp = None
+            if req.sampling.logprobs is not None:  # the rows of the tokens this step yields alone
+                yielded = np.concatenate([[0], item.tree.accepted_path(tok) + 1])
+                slots = yielded if in_order is None else in_order[yielded]
+                lp = token_logprobs(rows[torch.as_tensor(slots, device=rows.device)], tok[yielded],
+                                    req.sampling.logprobs)
+            if return_logits:
+                rows = rows.clone() if in_order is None else rows[torch.as_tensor(in_order, device=rows.device)]
+            results.append(VerifyResult(item.request_id, tok, rows if return_logits else None, lp))
         t3 = time.perf_counter()
         timings = {
             "prepare_ms": (t1 - t0) * 1e3, "forward_ms": (t2 - t1) * 1e3, "sample_ms": (t3 - t2) * 1e3,
@@ -779,18 +785,6 @@ class TorchEngine:
                                         batch_invariant=batch_invariant)
         with sdpa_backends_for(self.device):
             return self.model(tokens, positions, attention, invariant_rows=batch_invariant)
-
-    def _logprobs(self, segments: Sequence[_Segment], logits: Tensor,
-                  targets: list[np.ndarray]) -> list[TokenLogprobs | None]:
-        """Per segment, its rows' `token_logprobs` where its request asks for them (its rows alone: nothing for the
-        others), else None."""
-        out, start = [], 0
-        for segment, tokens in zip(segments, targets):
-            k = self._requests[segment.request_id].sampling.logprobs
-            stop = start + len(segment.tokens)
-            out.append(None if k is None else token_logprobs(logits[start:stop], tokens, k))
-            start = stop
-        return out
 
     def _sample(self, segments: Sequence[_Segment], logits: Tensor) -> list[np.ndarray]:
         """Target tokens per segment from fp32 `logits` [tokens, vocab]: one argmax over all rows when every request

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from trt_engines.base import CPU_KERNEL_CHOICES
+from trt_engines.base import CPU_KERNEL_CHOICES, InvalidField
 
 
 def _config_args(parser: argparse.ArgumentParser) -> None:
@@ -132,6 +132,15 @@ def check_ports(host: str, ports: dict[str, int]) -> str | None:
     return None
 
 
+def in_flag_words(exc: Exception, args: argparse.Namespace) -> str:
+    """`exc`'s message, where it names a config field (`InvalidField`) that one of these flags set, with the flag's
+    name instead: the user typed --max-context, not max_context."""
+    field = getattr(exc, "field", None)
+    if not isinstance(exc, InvalidField) or not hasattr(args, field):
+        return str(exc)
+    return str(exc).replace(field, "--" + field.replace("_", "-"))
+
+
 def _config(args):
     from orchestrator.serving.stack import ServingConfig
 
@@ -184,7 +193,7 @@ def serve_main(argv: Sequence[str]) -> int:
         # a path that is not there (DatastoreError is a ValueError), or options the model or the hardware profile
         # cannot take (--max-context past the model's positions, a dtype the profile has no FLOP/s for): the
         # message names it and the fix
-        print(f"retrospec serve: error: {exc}", file=sys.stderr, flush=True)
+        print(f"retrospec serve: error: {in_flag_words(exc, args)}", file=sys.stderr, flush=True)
         return 2
     engine = stack.engine
     print(f"ready in {time.monotonic() - started:.0f} s: policy {config.policy}, {engine.total_blocks()} KV blocks "
