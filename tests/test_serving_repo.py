@@ -132,6 +132,18 @@ def test_exported_repository_serves_in_the_bundled_stock_tritonserver(tmp_path):
             assert error is None, str(error)
             tokens += result.as_numpy("output_ids").tolist()
             finish = result.as_numpy("finish_reason")[0].decode()
+        client.async_stream_infer("retrospec_generate", [tensor("input_ids", np.array(prompt, np.int32)),
+                                                         tensor("max_tokens", np.array([8], np.int32)),
+                                                         tensor("logprobs", np.array([2], np.int32))])
+        top_ids, chosen, finish = [], [], ""
+        while not finish:  # the same outputs as pytriton's server sends (`triton_server.generate_outputs`)
+            result, error = results.get(timeout=120)
+            assert error is None, str(error)
+            top_ids += result.as_numpy("top_logprob_ids").tolist()
+            chosen += result.as_numpy("output_log_probs").tolist()
+            finish = result.as_numpy("finish_reason")[0].decode()
+        assert [row[0] for row in top_ids] == reference and all(len(row) == 2 for row in top_ids)
+        assert len(chosen) == 8 and max(chosen) <= 0
         client.async_stream_infer("retrospec_generate", [tensor("input_ids", np.array([], np.int32).reshape(0))])
         _, error = results.get(timeout=60)
         assert error is not None and "empty" in str(error)

@@ -70,6 +70,9 @@ def stream_generate(url: str, inputs: dict[str, np.ndarray], *, timeout: float =
             out["steps"] = int(result.as_numpy("steps")[0])
             out["accepted"] = int(result.as_numpy("accepted_tokens")[0])
             out["tokens_per_step"] = float(result.as_numpy("tokens_per_step")[0])
+            for name in ("output_log_probs", "top_logprob_ids", "top_logprobs"):  # sent where logprobs was asked
+                if result.as_numpy(name) is not None:
+                    out.setdefault(name, []).append(result.as_numpy(name))
         return out
     finally:
         client.stop_stream()
@@ -96,6 +99,35 @@ def test_generate_streams_greedy_output_with_statistics(server):
                                                  "max_tokens": np.array([MAX_TOKENS], np.int32),
                                                  "cache_salt": np.array([b"tenant-1"], np.object_)})
     assert by_text["tokens"] == server["reference"][0]
+
+
+def test_generate_streams_log_probabilities_per_output_token_where_asked(server):
+    # logprobs: k gives, per token of each response's output_ids, its log probability and the k most likely
+    # tokens', as the orchestrator returns them; a request that does not ask gets none of these outputs.
+    stack = server["stack"]
+    ids = np.asarray(server["prompts"][0], np.int32)
+    out = stream_generate(grpc_url(server), {"input_ids": ids, "max_tokens": np.array([MAX_TOKENS], np.int32),
+                                             "logprobs": np.array([3], np.int32)})
+    assert out["error"] is None and out["tokens"] == server["reference"][0]
+    chosen = np.concatenate(out["output_log_probs"])
+    top_ids, top = np.concatenate(out["top_logprob_ids"]), np.concatenate(out["top_logprobs"])
+    n = len(out["tokens"])
+    assert chosen.shape == (n,) and top_ids.shape == top.shape == (n, 3)
+    assert top_ids[:, 0].tolist() == out["tokens"] and np.array_equal(top[:, 0], chosen)  # greedy: the likeliest
+    assert (np.diff(top, axis=1) <= 0).all() and (chosen <= 0).all()
+    direct = stack.runner.generate(stack.make_request(prompt_ids=ids.tolist(), max_tokens=MAX_TOKENS, logprobs=3),
+                                   timeout=120)
+    assert direct.token_ids == out["tokens"]
+    # fp32: the two runs verify other trees (the drafter learnt from the first), the same up to rounding
+    np.testing.assert_allclose(chosen, [e.logprob for e in direct.logprobs], atol=1e-4)
+    assert top_ids.tolist() == [[t for t, _ in e.top] for e in direct.logprobs]
+    np.testing.assert_allclose(top, [[v for _, v in e.top] for e in direct.logprobs], atol=1e-4)
+    zero = stream_generate(grpc_url(server), {"input_ids": ids, "max_tokens": np.array([4], np.int32),
+                                              "logprobs": np.array([0], np.int32)})
+    assert zero["error"] is None and "top_logprob_ids" not in zero and "top_logprobs" not in zero  # k = 0
+    np.testing.assert_allclose(np.concatenate(zero["output_log_probs"]), chosen[:4], atol=1e-4)
+    plain = stream_generate(grpc_url(server), {"input_ids": ids, "max_tokens": np.array([4], np.int32)})
+    assert plain["error"] is None and "output_log_probs" not in plain and "top_logprobs" not in plain
 
 
 def test_draft_service_matches_a_fresh_drafter_and_releases_state(server):
@@ -172,6 +204,8 @@ def _bad_cases(server):
         ("cache_salt not UTF-8", {**good, "cache_salt": np.array([b"\xff\xfe"], np.object_)}, "cache_salt"),
         ("stop not UTF-8", {**good, "stop": np.array([b"\xff"], np.object_)}, "stop"),
         ("negative tpot_ms", {**good, "tpot_ms": np.array([-5.0], np.float32)}, "tpot_ms"),
+        ("logprobs beyond 20", {**good, "logprobs": np.array([21], np.int32)}, "logprobs"),
+        ("negative logprobs", {**good, "logprobs": np.array([-1], np.int32)}, "logprobs"),
     ]
 
 

@@ -28,17 +28,21 @@ from orchestrator.serving.stack import HARDWARE_MODES, ServingConfig, open_datas
 TEMPLATES = Path(__file__).parent / "templates"
 ROOT = Path(__file__).resolve().parents[2]
 
+# The generate model's wire contract, for both servers (`triton_server` binds pytriton's tensors from it):
 # (name, Triton type, dims, optional)
 GENERATE_INPUTS = [
     ("text_input", "TYPE_STRING", "1", True), ("input_ids", "TYPE_INT32", "-1", True),
     ("max_tokens", "TYPE_INT32", "1", True), ("temperature", "TYPE_FP32", "1", True),
     ("top_p", "TYPE_FP32", "1", True), ("top_k", "TYPE_INT32", "1", True), ("seed", "TYPE_INT64", "1", True),
     ("stop", "TYPE_STRING", "-1", True), ("tpot_ms", "TYPE_FP32", "1", True), ("ignore_eos", "TYPE_BOOL", "1", True),
-    ("cache_salt", "TYPE_STRING", "1", True),
+    ("cache_salt", "TYPE_STRING", "1", True), ("logprobs", "TYPE_INT32", "1", True),
 ]
+# (name, Triton type, dims); the last three only in the responses of a request that sent `logprobs`
 GENERATE_OUTPUTS = [
     ("output_ids", "TYPE_INT32", "-1"), ("text_output", "TYPE_STRING", "1"), ("finish_reason", "TYPE_STRING", "1"),
     ("steps", "TYPE_INT32", "1"), ("accepted_tokens", "TYPE_INT32", "1"), ("tokens_per_step", "TYPE_FP32", "1"),
+    ("output_log_probs", "TYPE_FP32", "-1"), ("top_logprob_ids", "TYPE_INT32", "-1, -1"),
+    ("top_logprobs", "TYPE_FP32", "-1, -1"),
 ]
 DRAFT_INPUTS = [
     ("request_id", "TYPE_STRING", "1", False), ("input_ids", "TYPE_INT32", "-1", True),

@@ -5,10 +5,13 @@ Models:
 `retrospec_generate` (decoupled: one response per streamed update)
     inputs   text_input BYTES[1] | input_ids INT32[-1] (one of them), max_tokens INT32[1], temperature FP32[1],
              top_p FP32[1], top_k INT32[1], seed INT64[1], stop BYTES[-1], tpot_ms FP32[1], ignore_eos BOOL[1],
-             cache_salt BYTES[1] (prefix-cache namespace) (all optional but the prompt; defaults: 16 tokens, greedy)
+             cache_salt BYTES[1] (prefix-cache namespace), logprobs INT32[1] (k in 0..20: return log probabilities)
+             (all optional but the prompt; defaults: 16 tokens, greedy, no log probabilities)
     outputs  output_ids INT32[-1] and text_output BYTES[1] (the delta), finish_reason BYTES[1] ("" until the last
              response: stop | length | cancelled), steps INT32[1], accepted_tokens INT32[1], tokens_per_step FP32[1]
-             (request statistics so far; final on the last response)
+             (request statistics so far; final on the last response); with `logprobs`, per token of output_ids:
+             output_log_probs FP32[-1] (its log probability under the model) and, for k >= 1, top_logprob_ids
+             INT32[-1, k], top_logprobs FP32[-1, k] (the k most likely tokens there, most likely first)
 
 `retrospec_draft` (one response per call)
     inputs   request_id BYTES[1], input_ids INT32[-1] (the prompt on the first call, newly accepted tokens after),
@@ -45,9 +48,10 @@ from pathlib import Path
 
 import numpy as np
 
-from orchestrator.request import FinishReason
+from orchestrator.request import FinishReason, RequestOutput
 from orchestrator.serving.draft_service import DraftService
 from orchestrator.serving.stack import ServingStack, make_drafter
+from orchestrator.serving.triton_repo import DRAFT_INPUTS, DRAFT_OUTPUTS, GENERATE_INPUTS, GENERATE_OUTPUTS
 
 GENERATE_MODEL = "retrospec_generate"
 DRAFT_MODEL = "retrospec_draft"
@@ -134,15 +138,7 @@ class GenerateModel:
                 return  # the client is gone: leaving the stream cancels the request (if it is still running)
             if out.finish_reason == FinishReason.ERROR:
                 raise ValueError(out.error or "the request failed")
-            stats = out.stats
-            yield [{
-                "output_ids": np.asarray(out.token_ids, dtype=np.int32),
-                "text_output": np.array([out.text.encode()], dtype=np.object_),
-                "finish_reason": np.array([out.finish_reason.value.encode() if out.finished else b""], dtype=np.object_),
-                "steps": np.array([stats.steps if stats else 0], dtype=np.int32),
-                "accepted_tokens": np.array([stats.accepted if stats else 0], dtype=np.int32),
-                "tokens_per_step": np.array([stats.tokens_per_step if stats else 0.0], dtype=np.float32),
-            }]
+            yield [generate_outputs(out, logprobs=request.sampling.logprobs)]
 
     def stack_request(self, req):
         limit = self.stack.config.max_body_bytes
@@ -165,6 +161,7 @@ class GenerateModel:
         salt = _scalar(req, "cache_salt")
         # Decoded leniently, two tenants' different salts could read alike and share cached prompts.
         salt = None if salt is None else _utf8(salt, "cache_salt")
+        logprobs = _scalar(req, "logprobs")
         return self.stack.make_request(
             text=text, prompt_ids=None if ids is None else ids,
             max_tokens=_as_int(_scalar(req, "max_tokens", 16)),
@@ -176,7 +173,42 @@ class GenerateModel:
             tpot_s=None if tpot_ms is None or float(tpot_ms) == 0 else float(tpot_ms) / 1e3,
             ignore_eos=bool(_scalar(req, "ignore_eos", False)),
             cache_salt=salt,
+            logprobs=None if logprobs is None else _as_int(logprobs),
         )
+
+
+def generate_outputs(out: RequestOutput, *, logprobs: int | None) -> dict[str, np.ndarray]:
+    """One streamed update as `retrospec_generate`'s output tensors (both servers send these). With `logprobs` (the
+    request's k) also, per token of `output_ids`, its log probability (`output_log_probs`) and, for k >= 1, the k
+    most likely tokens' there (`top_logprob_ids`, `top_logprobs`: [tokens, k], most likely first)."""
+    stats = out.stats
+    outputs = {
+        "output_ids": np.asarray(out.token_ids, dtype=np.int32),
+        "text_output": np.array([out.text.encode()], dtype=np.object_),
+        "finish_reason": np.array([out.finish_reason.value.encode() if out.finished else b""], dtype=np.object_),
+        "steps": np.array([stats.steps if stats else 0], dtype=np.int32),
+        "accepted_tokens": np.array([stats.accepted if stats else 0], dtype=np.int32),
+        "tokens_per_step": np.array([stats.tokens_per_step if stats else 0.0], dtype=np.float32),
+    }
+    if logprobs is not None:
+        entries = out.logprobs or []
+        outputs["output_log_probs"] = np.array([e.logprob for e in entries], dtype=np.float32)
+    if logprobs:  # k = 0: no top tensors (Triton does not pass on a [n, 0] tensor)
+        shape = (len(entries), logprobs)  # given, for an update without tokens
+        outputs["top_logprob_ids"] = np.array([[t for t, _ in e.top] for e in entries], np.int32).reshape(shape)
+        outputs["top_logprobs"] = np.array([[v for _, v in e.top] for e in entries], np.float32).reshape(shape)
+    return outputs
+
+
+def pytriton_tensors(spec) -> list:
+    """pytriton `Tensor`s for a `triton_repo` contract list (name, Triton type, dims[, optional])."""
+    from pytriton.model_config import Tensor
+
+    dtypes = {"TYPE_STRING": bytes, "TYPE_INT32": np.int32, "TYPE_INT64": np.int64, "TYPE_FP32": np.float32,
+              "TYPE_BOOL": np.bool_}
+    return [Tensor(name=name, dtype=dtypes[kind], shape=tuple(int(d) for d in dims.split(",")),
+                   optional=bool(rest and rest[0]))
+            for name, kind, dims, *rest in spec]
 
 
 class DraftModel:
@@ -325,7 +357,7 @@ def start_triton(stack: ServingStack, *, ports: TritonPorts = TritonPorts(), add
     A client that cancels its gRPC stream (or disconnects) cancels its generation here too (module docstring)."""
     ensure_libpython_on_ld_path()
     logging.getLogger("pytriton.proxy.inference").addFilter(_BAD_INPUT_IN_ONE_LINE)  # once: the same filter
-    from pytriton.model_config import ModelConfig, Tensor
+    from pytriton.model_config import ModelConfig
     from pytriton.triton import Triton, TritonConfig
     from pytriton.utils.workspace import Workspace
 
@@ -339,27 +371,7 @@ def start_triton(stack: ServingStack, *, ports: TritonPorts = TritonPorts(), add
     try:
         triton.bind(
             model_name=GENERATE_MODEL, infer_func=generate,
-            inputs=[
-                Tensor(name="text_input", dtype=bytes, shape=(1,), optional=True),
-                Tensor(name="input_ids", dtype=np.int32, shape=(-1,), optional=True),
-                Tensor(name="max_tokens", dtype=np.int32, shape=(1,), optional=True),
-                Tensor(name="temperature", dtype=np.float32, shape=(1,), optional=True),
-                Tensor(name="top_p", dtype=np.float32, shape=(1,), optional=True),
-                Tensor(name="top_k", dtype=np.int32, shape=(1,), optional=True),
-                Tensor(name="seed", dtype=np.int64, shape=(1,), optional=True),
-                Tensor(name="stop", dtype=bytes, shape=(-1,), optional=True),
-                Tensor(name="tpot_ms", dtype=np.float32, shape=(1,), optional=True),
-                Tensor(name="ignore_eos", dtype=np.bool_, shape=(1,), optional=True),
-                Tensor(name="cache_salt", dtype=bytes, shape=(1,), optional=True),
-            ],
-            outputs=[
-                Tensor(name="output_ids", dtype=np.int32, shape=(-1,)),
-                Tensor(name="text_output", dtype=bytes, shape=(1,)),
-                Tensor(name="finish_reason", dtype=bytes, shape=(1,)),
-                Tensor(name="steps", dtype=np.int32, shape=(1,)),
-                Tensor(name="accepted_tokens", dtype=np.int32, shape=(1,)),
-                Tensor(name="tokens_per_step", dtype=np.float32, shape=(1,)),
-            ],
+            inputs=pytriton_tensors(GENERATE_INPUTS), outputs=pytriton_tensors(GENERATE_OUTPUTS),
             config=ModelConfig(batching=False, decoupled=True),
             strict=True,
         )
@@ -368,18 +380,7 @@ def start_triton(stack: ServingStack, *, ports: TritonPorts = TritonPorts(), add
                                idle_timeout_s=stack.config.draft_idle_timeout_s, vocab_size=stack.engine.vocab_size)
         triton.bind(
             model_name=DRAFT_MODEL, infer_func=DraftModel(service),
-            inputs=[
-                Tensor(name="request_id", dtype=bytes, shape=(1,)),
-                Tensor(name="input_ids", dtype=np.int32, shape=(-1,), optional=True),
-                Tensor(name="budget", dtype=np.int32, shape=(1,), optional=True),
-                Tensor(name="end", dtype=np.bool_, shape=(1,), optional=True),
-            ],
-            outputs=[
-                Tensor(name="draft_tokens", dtype=np.int32, shape=(-1,)),
-                Tensor(name="draft_parents", dtype=np.int32, shape=(-1,)),
-                Tensor(name="draft_probs", dtype=np.float32, shape=(-1,)),
-                Tensor(name="best_path", dtype=np.int32, shape=(-1,)),
-            ],
+            inputs=pytriton_tensors(DRAFT_INPUTS), outputs=pytriton_tensors(DRAFT_OUTPUTS),
             config=ModelConfig(batching=False),
             strict=True,
         )

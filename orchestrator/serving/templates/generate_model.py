@@ -16,10 +16,11 @@ class TritonPythonModel:
                 sys.path.insert(0, path)
         from orchestrator.serving.stack import ServingConfig, ServingStack
         from orchestrator.serving.triton_repo import GENERATE_INPUTS, backend_request, error_response
-        from orchestrator.serving.triton_server import GenerateModel
+        from orchestrator.serving.triton_server import GenerateModel, generate_outputs
 
         self._request = lambda request: backend_request(pb_utils, request, GENERATE_INPUTS)
         self._error = lambda exc: error_response(pb_utils, exc)
+        self._outputs = generate_outputs
 
         self.stack = ServingStack.build(ServingConfig(**json.loads(params["serving_config"])))
         self.model = GenerateModel(self.stack)
@@ -31,15 +32,14 @@ class TritonPythonModel:
             try:
                 generation = self.model.stack_request(self._request(request))
                 rid = f"triton-{uuid.uuid4().hex}"
-                self.stack.submit(generation, lambda out, sender=sender, rid=rid: self._send(sender, out, rid),
+                k = generation.sampling.logprobs
+                self.stack.submit(generation, lambda out, sender=sender, rid=rid, k=k: self._send(sender, out, rid, k),
                                   frontend="triton", request_id=rid)
             except (ValueError, RuntimeError) as exc:  # bad input or shutting down: this request only
                 sender.send(self._error(exc), flags=final)
         return None
 
-    def _send(self, sender, out, request_id):
-        import numpy as np
-
+    def _send(self, sender, out, request_id, logprobs):
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         if sender.is_cancelled():  # the client cancelled its request or closed its stream
             if not out.finished:  # stop generating: the runner cancels it and frees its KV blocks
@@ -53,16 +53,7 @@ class TritonPythonModel:
         if out.error is not None:
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(out.error)), flags=final)
             return
-        stats = out.stats
-        tensors = [
-            pb_utils.Tensor("output_ids", np.asarray(out.token_ids, dtype=np.int32)),
-            pb_utils.Tensor("text_output", np.array([out.text.encode()], dtype=np.object_)),
-            pb_utils.Tensor("finish_reason", np.array([out.finish_reason.value.encode() if out.finished else b""],
-                                                      dtype=np.object_)),
-            pb_utils.Tensor("steps", np.array([stats.steps if stats else 0], dtype=np.int32)),
-            pb_utils.Tensor("accepted_tokens", np.array([stats.accepted if stats else 0], dtype=np.int32)),
-            pb_utils.Tensor("tokens_per_step", np.array([stats.tokens_per_step if stats else 0.0], dtype=np.float32)),
-        ]
+        tensors = [pb_utils.Tensor(name, array) for name, array in self._outputs(out, logprobs=logprobs).items()]
         sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=final if out.finished else 0)
 
     def finalize(self):
