@@ -135,10 +135,9 @@ def check_ports(host: str, ports: dict[str, int]) -> str | None:
 def in_flag_words(exc: Exception, args: argparse.Namespace) -> str:
     """`exc`'s message, where it names a config field (`InvalidField`) that one of these flags set, with the flag's
     name instead: the user typed --max-context, not max_context."""
-    field = getattr(exc, "field", None)
-    if not isinstance(exc, InvalidField) or not hasattr(args, field):
-        return str(exc)
-    return str(exc).replace(field, "--" + field.replace("_", "-"))
+    if isinstance(exc, InvalidField) and hasattr(args, exc.field):
+        return str(exc).replace(exc.field, "--" + exc.field.replace("_", "-"))
+    return str(exc)
 
 
 def _config(args):

@@ -190,10 +190,11 @@ def generate_outputs(out: RequestOutput, *, logprobs: int | None) -> dict[str, n
         "accepted_tokens": np.array([stats.accepted if stats else 0], dtype=np.int32),
         "tokens_per_step": np.array([stats.tokens_per_step if stats else 0.0], dtype=np.float32),
     }
-    if logprobs is not None:
-        entries = out.logprobs or []
-        outputs["output_log_probs"] = np.array([e.logprob for e in entries], dtype=np.float32)
-    if logprobs:  # k = 0: no top tensors (Triton does not pass on a [n, 0] tensor)
+    if logprobs is None:
+        return outputs
+    entries = out.logprobs or []
+    outputs["output_log_probs"] = np.array([e.logprob for e in entries], dtype=np.float32)
+    if logprobs > 0:  # k = 0: no top tensors (Triton does not pass on a [n, 0] tensor)
         shape = (len(entries), logprobs)  # given, for an update without tokens
         outputs["top_logprob_ids"] = np.array([[t for t, _ in e.top] for e in entries], np.int32).reshape(shape)
         outputs["top_logprobs"] = np.array([[v for _, v in e.top] for e in entries], np.float32).reshape(shape)
