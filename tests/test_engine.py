@@ -624,7 +624,7 @@ def test_auto_kernels_run_pytorchs_linear_layers_only_where_amx_backs_them():
     # linear layers only with AMX-BF16, the numba kernels elsewhere, AVX512-BF16 without AMX included (there they
     # decoded a batch-1 step in 7.8 ms against PyTorch's 29.8; `cpu_kernels.auto_cpu_kernels`). fp32 engines never
     # take the bf16 kernels.
-    from trt_engines.cpu_kernels import auto_cpu_kernels, cpu_description
+    from trt_engines.cpu_kernels import BF16_DOT_PRODUCTS, auto_cpu_kernels, cpu_description
     from trt_engines.llama import Transformer
     from trt_engines.torch_engine import TorchEngine
 
@@ -633,6 +633,9 @@ def test_auto_kernels_run_pytorchs_linear_layers_only_where_amx_backs_them():
     expected = "attention" if "amx_bf16" in flags else "numba"
     assert auto_cpu_kernels() == expected
     assert ("AMX" in cpu_description()) == ("avx512_bf16" in flags or "amx_bf16" in flags)
+    # the description names the linear layers "auto" runs (a run on an AMX Xeon once said numba's)
+    assert ("PyTorch's linear layers" in cpu_description()) == (expected == "attention")
+    assert ("numba linear layers" in cpu_description()) == (expected == "numba" and BF16_DOT_PRODUCTS)
 
     tiny = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
             "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 256}

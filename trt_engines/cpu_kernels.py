@@ -199,11 +199,14 @@ def auto_cpu_kernels() -> str:
 
 
 def cpu_description() -> str:
-    """This CPU as CPU benchmarks quote it: architecture, cores, PyTorch's vector ISA, and its bf16 instructions
-    (which decide where "auto" runs these kernels: `auto_cpu_kernels`)."""
+    """This CPU as CPU benchmarks quote it: architecture, cores, PyTorch's vector ISA, its bf16 instructions (which
+    decide where "auto" runs these kernels: `auto_cpu_kernels`) and whose linear layers "auto" runs there (on an AMX
+    Xeon PyTorch's, though its VDPBF16PS would serve the numba ones too)."""
     bf16 = ("bf16 dot products and AMX" if cpu_has_amx_bf16() else "bf16 dot products, no AMX" if cpu_has_native_bf16()
             else "no bf16 dot-product instructions")
-    if BF16_DOT_PRODUCTS:
+    if auto_cpu_kernels() == "attention":
+        bf16 += "; PyTorch's linear layers"
+    elif BF16_DOT_PRODUCTS:
         bf16 += "; numba linear layers on VDPBF16PS"
     return f"{platform.machine()} {os.cpu_count()} cores ({torch.backends.cpu.get_cpu_capability()}, {bf16})"
 
