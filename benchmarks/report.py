@@ -214,7 +214,8 @@ def plot_step_time(path: Path, results: dict[str, dict]) -> bool:
         t = results["throughput"]
         model = StepTimeModel(ModelShape.from_config(model_config("smollm2-135m")), HardwareSpec(**t["hardware"]),
                               dtype=t["step_model"]["dtype"], coefficients=np.array(t["step_model"]["coefficients"]),
-                              attention_layout=t["step_model"].get("attention_layout", "packed"))
+                              attention_layout=t["step_model"].get("attention_layout", "packed"),
+                              row_seconds=t["step_model"].get("row_seconds"))
         grid = results["verify_cost"]["grid"]
         measured = np.array([g["step_ms"] for g in grid])
         predicted = np.array([model.predict(np.full(g["batch"], g["nodes"] + 1.0), np.full(g["batch"], float(g["ctx"])))

@@ -74,12 +74,16 @@ def validate(measured: dict, *, host_time: str = "plan", fit: str = "group") -> 
             raise ValueError(f"the throughput results lack `{key}`: re-run `python -m benchmarks.throughput` "
                              "(older results cannot be replayed this way)")
     shape, hardware = ModelShape.from_config(model_config("smollm2-135m")), HardwareSpec(**measured["hardware"])
+    # the run's row table, where it priced rows by one (its coefficients mean nothing without it)
+    row_seconds = measured["step_model"].get("row_seconds")
+    row_seconds = None if row_seconds is None else tuple(row_seconds)
 
     def deployment(step: list[float], prefill: list[float] | None, host: list[float] | None) -> Deployment:
         return Deployment(shape, hardware, dtype=measured["step_model"]["dtype"], coefficients=tuple(step),
                           prefill_coefficients=None if prefill is None else tuple(prefill),
                           host_overhead=tuple(host) if host else (0.0, 0.0),
-                          attention_layout=measured["step_model"].get("attention_layout", "packed"), device="cpu")
+                          attention_layout=measured["step_model"].get("attention_layout", "packed"), device="cpu",
+                          row_seconds=row_seconds)
 
     group_fits = {(g["set"], g["cap"]): deployment(g["step_model"], g["prefill_model"], g.get("host_overhead"))
                   for g in measured.get("group_fits", [])}

@@ -43,7 +43,7 @@ from orchestrator.core import Orchestrator, check_prefill_chunk
 from orchestrator.profiling import fit_step_model, measure_hardware
 from orchestrator.request import GenerationRequest
 from orchestrator.roofline import FEATURES, ModelShape, StepTimeModel, nonnegative_lstsq
-from orchestrator.serving.cli import prefill_chunk_arg
+from orchestrator.serving.cli import prefill_chunk_arg, row_table_rows_arg
 from orchestrator.serving.stack import serving_prefill_chunk
 from tools.prompt_sets import PROMPT_SETS
 from tools.trajectories import load_trajectories, spread, trajectory_path
@@ -58,7 +58,7 @@ SEED_BASE = 1000  # a sampled row's request i is seeded SEED_BASE + i, under eve
 
 
 def build_stack(dtype: torch.dtype, *, num_blocks: int, max_nodes: int = 64, window: int = 512,
-                batch_invariant: bool | None = None, cpu_kernels: str = "auto"):
+                batch_invariant: bool | None = None, cpu_kernels: str = "auto", table_rows: int = 0):
     engine = TorchEngine("default", dtype=dtype, num_blocks=num_blocks, batch_invariant=batch_invariant,
                          cpu_kernels=cpu_kernels)
     datastore = Datastore.open(default_datastore_dir())
@@ -68,7 +68,7 @@ def build_stack(dtype: torch.dtype, *, num_blocks: int, max_nodes: int = 64, win
     hardware = measure_hardware("cpu", cpu_kernels=engine.kernel_linears, dtypes=(dtype_name,))
     step_model = StepTimeModel.for_engine(engine, ModelShape.from_config(resolve_model_dir("default")), hardware,
                                           dtype=dtype_name, window=window)
-    fit_error = fit_step_model(engine, step_model)
+    fit_error = fit_step_model(engine, step_model, table_rows=table_rows)
     warm_up(engine, drafter, step_model)
     return engine, drafter, step_model, fit_error
 
@@ -261,14 +261,15 @@ def group_sample(trajectories: list, cap: int, prompts_per_cap) -> list:
 
 def run(sets: list[str], caps: list[int], policies: list[str], *, prompts_per_cap, max_tokens: int,
         identity_prompts: int, rounds: int = 1, cpu_kernels: str = "auto",
-        prefill_chunk: int | str | None = "auto", sampling: SamplingParams = GREEDY) -> dict:
+        prefill_chunk: int | str | None = "auto", sampling: SamplingParams = GREEDY, table_rows: int = 0) -> dict:
     """Every (set, cap) serves its prompts with all policies side by side (`serve_side_by_side`), `rounds` times;
     a row reports its fastest round."""
     torch.set_num_threads(os.cpu_count() or 2)
     # Every policy holds its own `cap` requests at once: room for all of them (prompt + output + the largest tree).
     longest = max(len(t.prompt_ids) for name in sets for t in load_trajectories(trajectory_path(name, "eval")))
     num_blocks = len(policies) * max(caps) * -(-(longest + max_tokens + 65) // 16) + 64
-    engine, drafter, step_model, fit_error = build_stack(torch.bfloat16, num_blocks=num_blocks, cpu_kernels=cpu_kernels)
+    engine, drafter, step_model, fit_error = build_stack(torch.bfloat16, num_blocks=num_blocks, cpu_kernels=cpu_kernels,
+                                                         table_rows=table_rows)
     initial_coefficients = step_model.coefficients.tolist()
     chunk = serving_prefill_chunk(prefill_chunk, engine)
     rows, divergences, all_errors, prefills, group_fits, all_samples = [], [], [], [], [], []
@@ -344,6 +345,8 @@ def run(sets: list[str], caps: list[int], policies: list[str], *, prompts_per_ca
             "hardware": dataclasses.asdict(step_model.hardware),
             "step_model": {"dtype": step_model.dtype, "coefficients": step_model.coefficients.tolist(),
                            "attention_layout": step_model.attention_layout,
+                           # the measured row table the linear feature read (None: the roofline's row terms)
+                           "row_seconds": None if step_model.row_seconds is None else step_model.row_seconds.tolist(),
                            "features": list(FEATURES), "fitted_on_steps": len(all_samples),
                            "start_up_coefficients": initial_coefficients},
             "outputs": outputs,
@@ -518,9 +521,10 @@ def planned_shapes(sets: list[str], caps: list[int], policies: list[str],
 
 
 def check_replaceable(name: str, shapes: dict[tuple[str, int], list[tuple[str, int]]], max_tokens: int,
-                      new: dict | None = None, sampling: dict | None = None) -> dict:
-    """The results file `name`, if its groups `shapes` (`group_shapes`) can be replaced by a run with `max_tokens`
-    and `sampling` (`sampling_record`; and, once run, by the result `new`); else SystemExit naming what differs.
+                      new: dict | None = None, sampling: dict | None = None, table_rows: int = 0) -> dict:
+    """The results file `name`, if its groups `shapes` (`group_shapes`) can be replaced by a run with `max_tokens`,
+    `sampling` (`sampling_record`) and a row table of `table_rows` rows (and, once run, by the result `new`); else
+    SystemExit naming what differs.
     `main` calls it before measuring anything, `replace_groups` again with the result."""
     path, outputs_path = RESULTS / f"{name}.json", RESULTS / f"{name}_outputs.npz"
     if not path.is_file() or not outputs_path.is_file():
@@ -535,6 +539,13 @@ def check_replaceable(name: str, shapes: dict[tuple[str, int], list[tuple[str, i
     if old.get("sampling") != (new.get("sampling") if new is not None else sampling):
         raise SystemExit(f"--replace-groups: {path.name} sampled with {old.get('sampling') or 'greedy decoding'}; "
                          "pass the same --temperature and --top-p")
+    if new is not None:
+        table_rows = len(new.get("step_model", {}).get("row_seconds") or ())
+    old_rows = len(old.get("step_model", {}).get("row_seconds") or ())
+    if old_rows != table_rows:  # the step-time model then priced rows another way (and its coefficients differ)
+        raise SystemExit(f"--replace-groups: {path.name} priced a step's rows "
+                         f"{f'by a {old_rows}-row table' if old_rows else 'by the roofline'}; pass --row-table-rows "
+                         f"{old_rows}")
     for g, shape in shapes.items():  # the same policies and prompts, or the swapped rows would measure something else
         if measured[g] != shape:
             raise SystemExit(f"--replace-groups: {path.name} measured {g} with (policy, prompts) {measured[g]}; "
@@ -660,6 +671,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="sample every request at this temperature (default 0: greedy); request i of a row is "
                         f"seeded {SEED_BASE} + i under every policy, so their outputs must still equal `none`'s")
     parser.add_argument("--top-p", type=float, default=1.0, help="with --temperature: the nucleus (default 1: none)")
+    parser.add_argument("--row-table-rows", type=row_table_rows_arg, default=0,
+                        help="the step-time model prices rows by a table of 1..N rows measured at start-up "
+                        "(`orchestrator.profiling.measure_row_seconds`; default 0: the roofline's rows)")
     args = parser.parse_args(argv)
     if args.quick:
         args.sets, args.caps = ["grounded", "mtbench"], [1, 4]
@@ -705,11 +719,12 @@ def main(argv: list[str] | None = None) -> int:
     name = args.name or ("throughput_quick" if args.quick else "throughput")
     if args.replace_groups:
         check_replaceable(name, planned_shapes(args.sets, args.caps, args.policies, prompts_per_cap),
-                          args.max_tokens, sampling=sampling_record(sampling))
+                          args.max_tokens, sampling=sampling_record(sampling), table_rows=args.row_table_rows)
     started = time.perf_counter()
     result = run(args.sets, args.caps, args.policies, prompts_per_cap=prompts_per_cap, max_tokens=args.max_tokens,
                  identity_prompts=0 if args.replace_groups else args.identity_prompts, rounds=args.rounds,
-                 cpu_kernels=args.cpu_kernels, prefill_chunk=args.prefill_chunk, sampling=sampling)
+                 cpu_kernels=args.cpu_kernels, prefill_chunk=args.prefill_chunk, sampling=sampling,
+                 table_rows=args.row_table_rows)
     command = recorded_command(argv if argv is not None else sys.argv[1:])
     result["max_tokens"] = args.max_tokens
     result["seconds"] = round(time.perf_counter() - started, 1)

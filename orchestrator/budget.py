@@ -688,8 +688,8 @@ def _score_curve(model_s, expected, cost_terms, drain, draft_s, tpot_limit):
 
 @nb.njit(cache=True)
 def _goodput_curve(sizes, local_parents, node_probs, node_depths, node_sources, bucket_starts, knots_x, knots_y,
-                   factors, token_worth, rates, n_layers, padded, coefficients, context, attention_calls, cost_terms,
-                   drain, plain_worth, draft_s, tpot_limit):
+                   factors, token_worth, rates, rows_table, n_layers, padded, coefficients, context, attention_calls,
+                   cost_terms, drain, plain_worth, draft_s, tpot_limit):
     """`_goodput_nodes`' curve in one compiled call: the candidates of trees laid end to end, valued on the
     recalibration's maps, ordered best first (`_order_candidates`), and every prefix of that order priced
     (`prefix_step_seconds`) and scored. Returns, in that order, each candidate's request, probs, value, index within
@@ -701,8 +701,8 @@ def _goodput_curve(sizes, local_parents, node_probs, node_depths, node_sources, 
     owner, parents = _batch_layout(sizes, local_parents)
     values = recalibrated_values(node_probs, node_depths, node_sources, parents, bucket_starts, knots_x, knots_y)
     owner, probs, value, index, rank, cumulative = _order_candidates(owner, sizes, values, factors, token_worth)
-    model_s = prefix_step_seconds(rates, n_layers, padded, coefficients, context, attention_calls, context[owner],
-                                   rank)
+    model_s = prefix_step_seconds(rates, rows_table, n_layers, padded, coefficients, context, attention_calls,
+                                  context[owner], rank)
     expected = plain_worth + cumulative
     step_s, score = _score_curve(model_s, expected, cost_terms, drain, draft_s, tpot_limit)
     return owner, probs, value, index, rank, expected, model_s, step_s, score

@@ -18,6 +18,9 @@ from trt_engines.base import TargetEngine, VerifyItem
 
 
 SWEEP_BATCHES, SWEEP_NODES, SWEEP_CONTEXTS = (1, 4, 16), (0, 3, 15, 31), (128, 512)  # the start-up sweep's grid
+# The row table's steps: 1..ROW_TABLE_ROWS rows of one request at ROW_TABLE_CONTEXT cached tokens (short, so that
+# the table holds the cost of rows, not of attention over a long context, which the attention feature prices)
+ROW_TABLE_ROWS, ROW_TABLE_CONTEXT, ROW_TABLE_ROUNDS = 48, 32, 5
 
 
 def fit_step_model(
@@ -28,12 +31,28 @@ def fit_step_model(
     nodes: tuple[int, ...] = SWEEP_NODES,
     contexts: tuple[int, ...] = SWEEP_CONTEXTS,
     repeats: int = 3,
+    table_rows: int = 0,
     seed: int = 0,
 ) -> float:
-    """Time verify steps over a grid of (batch, nodes per request, context) (one warm-up run, then the median of
-    `repeats` runs per point), fit `model`; return the median relative error of the fitted model on those points."""
+    """Measure the row table (`measure_row_seconds`, `table_rows` rows, e.g. ROW_TABLE_ROWS; 0: none, the
+    roofline's row terms), then time verify steps over a grid of (batch, nodes per request, context) (one warm-up
+    run, then the median of `repeats` runs per point), fit `model`; return the median relative error of the fitted
+    model on those points.
+
+    No table by default: on the Zen 4 EPYC (numba's linear kernels, whose cost is close to a line in the rows) a
+    48-row table served goodput at 1.000x (median; 0.988-1.006x) the roofline's rows and predicted held-out steps
+    no better (8.4% against 7.9%; `benchmarks/results/row_table.md`). It is for GEMM libraries that price rows in
+    steps (oneDNN's AMX kernels, `verify_rows_amx_oneoff.md`), where `python -m benchmarks.row_table` measures
+    both forms side by side."""
     rng = np.random.default_rng(seed)
     synthetic = hasattr(engine, "add_synthetic_request")  # random KV instead of a real prefill: same cost
+    if table_rows < 0 or table_rows == 1:
+        raise ValueError(f"table_rows must be 0 (no row table) or >= 2; got {table_rows}")
+    if table_rows:
+        # at least ROW_TABLE_ROUNDS rounds even for a quick start-up fit: an entry from one round is one step's
+        # difference, and a burst of background load during it would read as a cliff the budget then steers around
+        model.set_row_seconds(measure_row_seconds(engine, rows=table_rows, rounds=max(repeats, ROW_TABLE_ROUNDS),
+                                                  seed=seed))
     samples = []
     for batch, context in itertools.product(batches, contexts):
         ids = [f"__profile-{batch}-{context}-{i}" for i in range(batch)]
@@ -65,6 +84,43 @@ def fit_step_model(
     model.fit(samples)
     errors = [abs(model.predict(t, c) - m) / m for t, c, m in samples]
     return float(np.median(errors))
+
+
+def measure_row_seconds(engine: TargetEngine, *, rows: int = ROW_TABLE_ROWS, context: int = ROW_TABLE_CONTEXT,
+                        rounds: int = ROW_TABLE_ROUNDS, seed: int = 0) -> np.ndarray | None:
+    """The extra seconds of a verify step of T rows over a step of one row, T = 1..`rows`
+    (`StepTimeModel.row_seconds`): one request at `context` cached tokens verifying a chain of T - 1 nodes. Every
+    size runs once per round, the order rotating, after a warm-up round; each entry is the median over rounds of
+    its step's time minus that round's one-row step, so background load that slows a whole round cancels out,
+    then the median of each entry and its two neighbours: on the shared 2-core Zen 4 host, 3 rounds still priced 2
+    rows at 1.38 plain steps and 3 at 1.05 (a burst in two of them), and a median of three removes such a lone spike
+    where it keeps the edge of a real step (oneDNN's 16 -> 17 rows on a Xeon holds for many rows in a row).
+    None where the engine cannot hold `context + rows` tokens for one request (then the roofline prices rows)."""
+    if rows < 2 or rounds < 1:
+        raise ValueError(f"a row table needs rows >= 2 and rounds >= 1; got rows={rows}, rounds={rounds}")
+    if context + rows + 1 > engine.max_context or engine.blocks_needed(context + rows + 1) > engine.free_blocks():
+        return None
+    rng = np.random.default_rng(seed)
+    rid = "__profile-rows"
+    if hasattr(engine, "add_synthetic_request"):
+        engine.add_synthetic_request(rid, context)
+    else:
+        engine.add_request(rid, rng.integers(0, engine.vocab_size, context).tolist(), _greedy())
+    chains = [DraftTree.chain(rng.integers(0, engine.vocab_size, n)) for n in range(rows)]
+    seconds = np.zeros((rounds, rows))
+    try:
+        for r in range(rounds + 1):
+            order = np.roll(np.arange(rows), -r)
+            for n in order:
+                out = engine.verify([VerifyItem(rid, chains[n])])
+                if r:  # the first round warms caches and allocator (and compiles, where a size is new)
+                    seconds[r - 1, n] = out.timings["total_ms"] / 1e3
+    finally:
+        engine.release(rid)
+    extra = np.median(seconds - seconds[:, :1], axis=0)
+    smoothed = extra.copy()
+    smoothed[1:-1] = np.median(np.stack([extra[:-2], extra[1:-1], extra[2:]]), axis=0)
+    return np.maximum(smoothed, 0.0)  # a step of more rows is never cheaper than one row; below 0 is noise
 
 
 def _greedy():

@@ -20,6 +20,17 @@ time is the feature vector's dot product with fitted coefficients; the defaults 
 pure roofline, and `fit`/`observe` refit them by least squares on measured steps (online, from the engine's
 timings), which absorbs what the roofline leaves out (kernel efficiency, per-token framework costs, norms and RoPE).
 
+A measured row table, where one is given (`row_seconds`, measured per engine at start-up by
+`orchestrator.profiling.measure_row_seconds`, as Sequoia's hardware-aware tree optimizer measures its forward time per
+tree size), replaces the linear, LM-head and token terms: some GEMM libraries price rows in steps, not along a
+line. oneDNN's AMX kernels on a Xeon ran 1-16 rows at 0.88-1.17 plain steps, 17 rows at 1.60 and 33-41 rows cheaper
+than 17-32 (`benchmarks/results/verify_rows_amx_oneoff.md`); a line through those costs prices 17 rows like 16 and
+sends trees over the cliff.
+The table's feature is the measured extra seconds of a step of T rows over one of one row (one request at a short
+context), beyond the table at its upper half's slope; the fit still scales it (host speed moves between minutes).
+Off by default: where the cost is close to a line (numba's kernels on a Zen 4 EPYC) the roofline did as well
+(`benchmarks/results/row_table.md`).
+
 In the linear operators b (requests) and s (tokens per request) appear only as T = b*s: below the ridge
 T* = peak * dtype_bytes / (2 * bandwidth) they are memory-bound and extra tokens are nearly free. `free_budget()` is
 that b*s (SSSD's free speculation budget).
@@ -159,6 +170,10 @@ class StepTimeModel:
     # similar shape (`trt_engines.attention_groups.plan_attention_groups`: `TorchEngine`).
     attention_layout: str = "packed"
     attention_call_cost: float = CALL_COST  # "grouped": the engine planner's price of a call (`TorchEngine`'s)
+    # Measured extra seconds of a step of T rows over a step of one row, at T = 1..len (so row_seconds[0] == 0):
+    # prices everything that grows with the step's rows in place of the roofline's linear, LM-head and token terms
+    # (module docstring). None: the roofline's terms.
+    row_seconds: np.ndarray | None = None
     _samples: deque = field(default=None, repr=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
@@ -169,6 +184,9 @@ class StepTimeModel:
         if self.coefficients is None:
             self.coefficients = np.array([self.hardware.overhead_s, 1.0, 1.0, 1.0, 0.0, 0.0])
         self.coefficients = step_coefficients(self.coefficients)
+        self._row_table = row_table(self.row_seconds)
+        if self.row_seconds is not None:
+            self.row_seconds = np.array(self.row_seconds, dtype=np.float64)
         self._compute_rates()
         self._samples = deque(maxlen=self.window)
         self._anchors: list[tuple[np.ndarray, float]] = []  # the start-up calibration sweep (`fit`), kept for refits
@@ -237,7 +255,8 @@ class StepTimeModel:
         tokens = np.ascontiguousarray(tokens, dtype=np.float64)
         attention_s, extra_calls = self._attention_terms(tokens, context)
         row = np.empty(len(FEATURES))
-        _fill_features(self._rate_table, self.shape.n_layers, float(tokens.sum()), attention_s, extra_calls, row)
+        _fill_features(self._rate_table, self._row_table, self.shape.n_layers, float(tokens.sum()), attention_s,
+                       extra_calls, row)
         return row
 
     def prefix_seconds(self, context: np.ndarray, candidate_context: np.ndarray, candidate_rank: np.ndarray,
@@ -253,10 +272,12 @@ class StepTimeModel:
                                     float(attention_calls), np.ascontiguousarray(candidate_context, dtype=np.float64),
                                     np.ascontiguousarray(candidate_rank, dtype=np.float64))
 
-    def prefix_pricing(self) -> tuple[np.ndarray, int, bool, np.ndarray]:
-        """The model's own arguments of `prefix_step_seconds` (rate table, layers, padded layout, coefficients),
-        for a caller that prices the prefixes inside its own kernel (the budget controller's `_goodput_curve`)."""
-        return self._rate_table, self.shape.n_layers, self.attention_layout == "padded", self.coefficients
+    def prefix_pricing(self) -> tuple[np.ndarray, np.ndarray, int, bool, np.ndarray]:
+        """The model's own arguments of `prefix_step_seconds` (rate table, row table, layers, padded layout,
+        coefficients), for a caller that prices the prefixes inside its own kernel (the budget controller's
+        `_goodput_curve`)."""
+        return (self._rate_table, self._row_table, self.shape.n_layers, self.attention_layout == "padded",
+                self.coefficients)
 
     def plain_step(self, context) -> tuple[float, float]:
         """Predicted seconds of a plain decoding step (one token per request over `context`) and its attention calls
@@ -267,6 +288,14 @@ class StepTimeModel:
     def predict(self, tokens, context) -> float:
         """Predicted seconds for one step; `tokens[i]` new tokens of request i over `context[i]` cached ones."""
         return float(self.features(tokens, context) @ self.coefficients)
+
+    def set_row_seconds(self, row_seconds) -> None:
+        """Price rows by a measured table from now on (`row_seconds`; None: by the roofline's terms). The kept
+        samples and start-up sweep were priced the other way, so they are dropped: set it before `fit`."""
+        self._row_table = row_table(row_seconds)
+        self.row_seconds = None if row_seconds is None else np.array(row_seconds, dtype=np.float64)
+        self._samples.clear()
+        self._anchors = []
 
     # -- fitting ----------------------------------------------------------------------------------------------
     def observe(self, tokens, context, measured_s: float, *, refit_every: int = 16) -> None:
@@ -305,7 +334,7 @@ class StepTimeModel:
         """The same model and calibration sweep, with its own (empty) window of online samples."""
         twin = StepTimeModel(self.shape, self.hardware, dtype=self.dtype, coefficients=self.coefficients.copy(),
                              window=self.window, attention_layout=self.attention_layout,
-                             attention_call_cost=self.attention_call_cost)
+                             attention_call_cost=self.attention_call_cost, row_seconds=self.row_seconds)
         twin._anchors = list(self._anchors)
         return twin
 
@@ -338,10 +367,11 @@ def _attention_one(rates, n_layers, tokens, context):
 
 
 @nb.njit(cache=True)
-def prefix_step_seconds(rates, n_layers, padded, coefficients, context, attention_calls, candidate_context,
-                         candidate_rank):
+def prefix_step_seconds(rates, rows, n_layers, padded, coefficients, context, attention_calls, candidate_context,
+                        candidate_rank):
     """`StepTimeModel.prefix_seconds`: each prefix's feature row (`_prefix_features`) times the coefficients."""
-    features = _prefix_features(rates, n_layers, context, padded, attention_calls, candidate_context, candidate_rank)
+    features = _prefix_features(rates, rows, n_layers, context, padded, attention_calls, candidate_context,
+                                candidate_rank)
     seconds = np.empty(features.shape[0])
     for k in range(features.shape[0]):
         total = 0.0
@@ -352,7 +382,8 @@ def prefix_step_seconds(rates, n_layers, padded, coefficients, context, attentio
 
 
 @nb.njit(cache=True)
-def _prefix_features(rates, n_layers, context, padded, attention_calls, candidate_context, candidate_rank):
+def _prefix_features(rates, rows_table, n_layers, context, padded, attention_calls, candidate_context,
+                     candidate_rank):
     """Feature rows [1, linear, attention, LM head, T, extra calls] of `StepTimeModel.prefix_seconds`' steps."""
     n = candidate_context.shape[0]
     batch = context.shape[0]
@@ -372,23 +403,43 @@ def _prefix_features(rates, n_layers, context, padded, attention_calls, candidat
             else:
                 attention = attention + (_attention_one(rates, n_layers, before + 1, candidate_context[k - 1])
                                          - _attention_one(rates, n_layers, before, candidate_context[k - 1]))
-        _fill_features(rates, n_layers, total, batch * _attention_one(rates, n_layers, rows, keys - rows) if padded
-                       else attention, attention_calls, features[k])
+        _fill_features(rates, rows_table, n_layers, total,
+                       batch * _attention_one(rates, n_layers, rows, keys - rows) if padded else attention,
+                       attention_calls, features[k])
     return features
 
 
 @nb.njit(cache=True)
-def _fill_features(rates, n_layers, total, attention, attention_calls, row):
-    """One feature row (`FEATURES`) of a step of `total` tokens whose attention costs `attention` seconds."""
+def _fill_features(rates, rows_table, n_layers, total, attention, attention_calls, row):
+    """One feature row (`FEATURES`) of a step of `total` tokens whose attention costs `attention` seconds. With a
+    row table (`row_table`), its price of `total` rows is the linear feature and the LM-head and token ones are 0."""
+    row[0] = 1.0
+    row[2] = attention
+    row[5] = attention_calls
+    if rows_table.shape[0] > 0:
+        row[1] = _row_price(rows_table, total)
+        row[3] = 0.0
+        row[4] = 0.0
+        return
     linear = 0.0
     for op in range(3):
         linear = linear + max(rates[3 * op] * total, rates[3 * op + 1] + rates[3 * op + 2] * total)
-    row[0] = 1.0
     row[1] = n_layers * (linear + rates[9] * total)
-    row[2] = attention
     row[3] = max(rates[10] * total, rates[11] + rates[12] * total)
     row[4] = total
-    row[5] = attention_calls
+
+
+@nb.njit(cache=True)
+def _row_price(rows_table, total):
+    """A row table's seconds for a step of `total` rows: its entry, or past its end its last entry plus its slope
+    (the table's final element) per row."""
+    n = rows_table.shape[0] - 1
+    t = int(total + 0.5)  # a count of rows, carried as a float
+    if t < 1:
+        return 0.0
+    if t <= n:
+        return rows_table[t - 1]
+    return rows_table[n - 1] + rows_table[n] * (total - n)
 
 
 @nb.njit(cache=True)
@@ -408,6 +459,21 @@ def _batch_attention(rates, n_layers, tokens, context, one_call):
     for i in range(n):
         attention += _attention_one(rates, n_layers, tokens[i], context[i])
     return attention
+
+
+def row_table(row_seconds) -> np.ndarray:
+    """The kernels' form of `StepTimeModel.row_seconds`: its entries, then seconds per row past its end (the least-
+    squares slope over the table's upper half: the library's steps average out over a few of them); empty for None."""
+    if row_seconds is None:
+        return np.zeros(0)
+    seconds = np.asarray(row_seconds, dtype=np.float64)
+    if seconds.ndim != 1 or seconds.size < 2 or not np.isfinite(seconds).all():
+        raise ValueError(f"row_seconds needs the measured extra seconds of 1, 2, ... rows (two or more finite "
+                         f"values); got {seconds!r}")
+    rows = np.arange(1, seconds.size + 1, dtype=np.float64)
+    upper = slice(seconds.size // 2, None)
+    slope = np.polyfit(rows[upper], seconds[upper], 1)[0] if seconds.size >= 4 else seconds[-1] - seconds[-2]
+    return np.append(seconds, max(float(slope), 0.0))
 
 
 def step_coefficients(values) -> np.ndarray:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks import (cpu_attention, gpu_orchestrator, gpu_sdpa_backends, kv_placement, linear_rows,
-                        one_call, prefill_attention, sampling, serving, throughput)
+                        one_call, prefill_attention, row_table, sampling, serving, throughput)
 
 
 def refused_before_running(monkeypatch, owner, measuring: str, main, argv: list[str]) -> str:
@@ -35,9 +35,22 @@ def refused_before_running(monkeypatch, owner, measuring: str, main, argv: list[
     (["--temperature", "nan"], "--temperature: temperature must be a finite number >= 0"),
     (["--temperature", "0.8", "--top-p", "0"], "--top-p: top_p must lie in (0, 1] (1 = no nucleus cut); got 0.0"),
     (["--top-p", "0.9"], "--top-p samples only with a --temperature above 0"),
+    (["--row-table-rows", "1"], "--row-table-rows: expected 0 (no row table) or a whole number of rows >= 2"),
 ])
 def test_throughput_refuses_bad_options_before_measuring(monkeypatch, capsys, argv, message):
     refused_before_running(monkeypatch, throughput, "run", throughput.main, argv)
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--caps", "1", "0"], "--caps must be >= 1, --held-out >= 4 and --max-tokens >= 1"),
+    (["--held-out", "2"], "--caps must be >= 1, --held-out >= 4 and --max-tokens >= 1"),
+    (["--max-tokens", "0"], "--caps must be >= 1, --held-out >= 4 and --max-tokens >= 1"),
+    (["--sets", "nope"], "invalid choice: 'nope'"),
+    (["--name", "a/b"], "--name 'a/b': a file name in benchmarks/results"),
+])
+def test_row_table_refuses_bad_options_before_measuring(monkeypatch, capsys, argv, message):
+    refused_before_running(monkeypatch, row_table, "run", row_table.main, argv)
     assert message in capsys.readouterr().err
 
 

@@ -147,6 +147,69 @@ def test_step_model_refit_recovers_a_linear_cost():
     assert model.predict(tokens, context) == pytest.approx(truth.predict(tokens, context), rel=1e-3)
 
 
+def staircase_rows(rows: int = 48, step_at: int = 16, cliff_s: float = 0.03, per_row_s: float = 5e-4) -> np.ndarray:
+    """A row table shaped like oneDNN's AMX kernels on a Xeon (`benchmarks/results/verify_rows_amx_oneoff.md`):
+    rows cost little up to `step_at`, then one more row costs `cliff_s` at once."""
+    t = np.arange(1, rows + 1)
+    return per_row_s * (t - 1) + np.where(t > step_at, cliff_s, 0.0)
+
+
+def test_a_row_table_prices_its_steps_and_extends_at_its_slope():
+    cpu = HardwareSpec("cpu", {"bfloat16": 3e11}, mem_bandwidth=2e10)
+    table = staircase_rows()
+    model = StepTimeModel(SMOLLM2, cpu, coefficients=[0.01, 1.0, 0.0, 1.0, 1.0, 0.0], row_seconds=table)
+    one = model.predict(np.ones(1), np.full(1, 64.0))
+    assert one == pytest.approx(0.01)  # the table's one-row entry is 0; LM-head and token terms fold into it
+    for rows in (2, 16, 17, 48):
+        assert model.predict(np.array([float(rows)]), np.full(1, 64.0)) - one == pytest.approx(table[rows - 1])
+    # rows are the step's total: four requests of 5 tokens cost the table's 20 rows (attention is priced apart)
+    assert model.predict(np.full(4, 5.0), np.full(4, 64.0)) == pytest.approx(0.01 + table[19])
+    # past the table: its last entry plus the slope of its upper half per row (here 0.5 ms)
+    assert model.predict(np.array([58.0]), np.full(1, 64.0)) == pytest.approx(0.01 + table[-1] + 10 * 5e-4)
+    # the clone prices alike; a table of one entry, or with a NaN, is refused
+    assert model.clone().predict(np.array([17.0]), np.full(1, 64.0)) == model.predict(np.array([17.0]),
+                                                                                      np.full(1, 64.0))
+    for bad in ([0.0], [0.0, np.nan, 1e-3]):
+        with pytest.raises(ValueError, match="row_seconds needs"):
+            StepTimeModel(SMOLLM2, cpu, row_seconds=np.array(bad))
+
+
+def test_goodput_stops_short_of_a_cliff_in_the_row_table_and_crosses_it_where_it_pays():
+    # The roofline's rows are a line; a measured table has the GEMM library's steps. With a cliff after 16 rows
+    # worth 3/4 of a step, a lone request of moderate acceptance stays within 16 rows, where the same table
+    # without the cliff sends more nodes; drafts that nearly always land still cross it, as goodput says.
+    cpu = HardwareSpec("cpu", {"bfloat16": 3e11}, mem_bandwidth=2e10)
+    coefficients = [0.04, 1.0, 0.0, 0.0, 0.0, 0.0]
+    cliff = StepTimeModel(SMOLLM2, cpu, coefficients=coefficients, row_seconds=staircase_rows())
+    smooth = StepTimeModel(SMOLLM2, cpu, coefficients=coefficients, row_seconds=staircase_rows(cliff_s=0.0))
+    assert goodput_nodes(cliff, 1, 0.85, context=300)[0] <= 15
+    assert goodput_nodes(smooth, 1, 0.85, context=300)[0] > 15
+    assert goodput_nodes(cliff, 1, 0.995, context=300)[0] > 16
+
+
+def test_a_refit_keeps_the_row_tables_steps():
+    # Steps measured on a host running at 1.3x the table's speed: the fit scales the table, steps included.
+    cpu = HardwareSpec("cpu", {"bfloat16": 3e11}, mem_bandwidth=2e10)
+    table = staircase_rows()
+    truth = StepTimeModel(SMOLLM2, cpu, coefficients=[0.03, 1.3, 1.0, 0.0, 0.0, 0.0], row_seconds=table)
+    model = StepTimeModel(SMOLLM2, cpu, row_seconds=table)
+    rng = np.random.default_rng(3)
+    steps = []
+    for _ in range(40):
+        b = int(rng.integers(1, 5))
+        tokens, context = rng.integers(1, 24, b).astype(float), rng.integers(16, 1024, b).astype(float)
+        steps.append((tokens, context, truth.predict(tokens, context)))
+    model.fit(steps)
+    for rows in (16, 17):
+        tokens, context = np.array([float(rows)]), np.array([300.0])
+        assert model.predict(tokens, context) == pytest.approx(truth.predict(tokens, context), rel=1e-3)
+    # switching the pricing drops the samples and sweep priced the other way
+    model.set_row_seconds(None)
+    assert model.samples() == [] and model.row_seconds is None
+    assert model.predict(np.array([17.0]), np.array([300.0])) != pytest.approx(truth.predict(np.array([17.0]),
+                                                                                             np.array([300.0])))
+
+
 def test_step_model_fit_ignores_steps_slowed_by_background_load():
     # On a shared machine a burst of background load doubles a few steps; the typical step must stay predicted
     # right (a least-squares fit would move every prediction toward the slowed ones).
@@ -590,9 +653,11 @@ def test_grouped_model_plans_calls_at_the_engines_price():
 
 
 @pytest.mark.parametrize("layout", ["packed", "grouped", "padded"])
-def test_goodput_predicts_the_step_it_chooses(layout):
+@pytest.mark.parametrize("rows", [None, "table"])
+def test_goodput_predicts_the_step_it_chooses(layout, rows):
     # The allocation's incremental step-time prediction equals the model's prediction of the chosen composition.
-    model = StepTimeModel(LLAMA_8B, KNOWN_HARDWARE["H100-SXM"], attention_layout=layout)
+    model = StepTimeModel(LLAMA_8B, KNOWN_HARDWARE["H100-SXM"], attention_layout=layout,
+                          row_seconds=None if rows is None else staircase_rows(cliff_s=2e-3, per_row_s=2e-5))
     controller = BudgetController(BudgetPolicy.parse("goodput"), model)
     rng = np.random.default_rng(0)
     for _ in range(20):
@@ -605,12 +670,14 @@ def test_goodput_predicts_the_step_it_chooses(layout):
 
 @settings(max_examples=40, deadline=None)
 @given(st.sampled_from(["packed", "padded"]), st.lists(st.integers(0, 8000), min_size=1, max_size=12),
-       st.lists(st.integers(0, 11), max_size=60))
-def test_every_prefix_of_the_candidates_is_priced_as_its_own_step(layout, context, owners):
+       st.lists(st.integers(0, 11), max_size=60), st.booleans())
+def test_every_prefix_of_the_candidates_is_priced_as_its_own_step(layout, context, owners, table):
     # `prefix_seconds` prices all prefixes of the candidate order incrementally; each must be the step-time model's
-    # prediction of that step composed from scratch (the grouped layout prices candidates packed while choosing).
+    # prediction of that step composed from scratch (the grouped layout prices candidates packed while choosing),
+    # with the roofline's row terms or a measured row table (up to 48 rows, then its slope: steps of up to 72 rows).
     model = StepTimeModel(LLAMA_8B, KNOWN_HARDWARE["H100-SXM"], attention_layout=layout,
-                          coefficients=[0.002, 0.9, 1.3, 1.1, 1e-6, 0.0])
+                          coefficients=[0.002, 0.9, 1.3, 1.1, 1e-6, 0.0],
+                          row_seconds=staircase_rows(cliff_s=2e-3, per_row_s=2e-5) if table else None)
     context = np.array(context, dtype=np.float64)
     owner = np.array([o % context.size for o in owners], dtype=np.int64)
     rank = np.array([np.sum(owner[:i] == o) for i, o in enumerate(owner)], dtype=np.float64)

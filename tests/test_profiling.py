@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from orchestrator.profiling import measure_hardware
 from orchestrator.roofline import StepTimeModel
@@ -54,7 +55,8 @@ def test_serving_stack_builds_on_its_runner_thread_and_measures_only_its_own_dty
     sys.setprofile(record)
     try:
         stack = ServingStack.build(ServingConfig(dtype="float32", num_blocks=32, max_context=256, datastores=(),
-                                                 hardware="measure", fit_step_model=True, max_running=2))
+                                                 hardware="measure", fit_step_model=True, max_running=2,
+                                                 row_table_rows=6))
     finally:
         sys.setprofile(None)
         threading.setprofile(None)
@@ -68,6 +70,7 @@ def test_serving_stack_builds_on_its_runner_thread_and_measures_only_its_own_dty
         assert ran_on == {name: {runner_thread} for name in watched.values()}
         hardware = stack.orchestrator.budget.step_model.hardware
         assert hardware.name.startswith("measured:") and set(hardware.peak_flops) == {"float32"}
+        assert stack.orchestrator.budget.step_model.row_seconds.shape == (6,)  # the table it was asked for
     finally:
         stack.shutdown()
 
@@ -91,3 +94,32 @@ def test_profile_hardware_refuses_bad_options_before_measuring(tmp_path, capsys)
             main(["--device", "cuda", "--out", str(tmp_path / "hw.json")])
         assert "PyTorch sees no CUDA device here" in capsys.readouterr().err
     assert not (tmp_path / "hw.json").exists()
+
+
+def test_row_table_is_measured_on_the_engine_and_the_fit_reads_it():
+    """The start-up fit measures the engine's row table first (one request, 1..rows rows), frees what it held, and
+    the fitted model prices rows by it; an engine too short for the table keeps the roofline's row terms."""
+    from orchestrator.profiling import fit_step_model, measure_row_seconds
+    from orchestrator.roofline import HardwareSpec
+    from trt_engines.torch_engine import TorchEngine
+
+    engine = TorchEngine("default", dtype=torch.float32, num_blocks=64, max_context=256)
+    free = engine.free_blocks()
+    table = measure_row_seconds(engine, rows=6, rounds=1)
+    assert table.shape == (6,) and table[0] == 0.0 and (table >= 0).all() and np.isfinite(table).all()
+    assert engine.free_blocks() == free and not engine.requests
+    for bad in ({"rows": 1}, {"rounds": 0}):
+        with pytest.raises(ValueError, match="row table needs rows >= 2 and rounds >= 1"):
+            measure_row_seconds(engine, **bad)
+    model = StepTimeModel.for_engine(engine, SMOLLM2, HardwareSpec("cpu", {"float32": 1e11}, 2e10),
+                                     dtype="float32")
+    before = model.coefficients.copy()
+    for bad in (1, -2):  # refused before anything is measured; the model keeps its pricing
+        with pytest.raises(ValueError, match=f"table_rows must be 0 \\(no row table\\) or >= 2; got {bad}"):
+            fit_step_model(engine, model, table_rows=bad)
+    assert model.row_seconds is None and np.array_equal(model.coefficients, before)
+    error = fit_step_model(engine, model, batches=(1, 2), nodes=(0, 7), contexts=(32,), repeats=1, table_rows=8)
+    assert model.row_seconds.shape == (8,) and np.isfinite(error)
+    assert engine.free_blocks() == free and not engine.requests
+    short = TorchEngine("default", dtype=torch.float32, num_blocks=16, max_context=40)
+    assert measure_row_seconds(short, rows=8) is None  # 32 cached tokens + 8 rows do not fit in 40

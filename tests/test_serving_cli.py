@@ -99,6 +99,9 @@ def test_serve_both_front_ends_then_graceful_sigterm(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     # range errors name the flag, not the config field behind it (`max_running must be an int >= 1` before)
     (["--micro-batches", "0"], "argument --micro-batches: expected a whole number >= 1, got '0'"),
+    (["--row-table-rows", "1"], "argument --row-table-rows: expected 0 (no row table) or a whole number of rows >= 2, "
+                                "got '1'"),
+    (["--row-table-rows", "many"], "argument --row-table-rows: expected 0 (no row table) or a whole number"),
     (["--micro-batches", "two"], "argument --micro-batches: expected a whole number >= 1, got 'two'"),
     (["--hardware", "H999"], "unknown hardware 'H999': use one of H100-SXM"),
     (["--max-running", "0"], "argument --max-running: expected a whole number >= 1, got '0'"),
@@ -145,6 +148,15 @@ def test_the_config_and_the_flags_share_their_floors(capsys):
             assert getattr(parser.parse_args([flags[name], str(least)]), name) == least
             with pytest.raises(argparse.ArgumentError, match=f"expected a whole number >= {least}"):
                 parser.parse_args([flags[name], str(least - 1)])
+
+
+def test_the_config_refuses_a_row_table_of_one_row():
+    from orchestrator.serving.stack import ServingConfig
+
+    assert ServingConfig().row_table_rows == 0 and ServingConfig(row_table_rows=2).row_table_rows == 2
+    for bad in (1, -1, True, 2.5):
+        with pytest.raises(ValueError, match="row_table_rows must be 0 \\(no row table\\) or an int >= 2"):
+            ServingConfig(row_table_rows=bad)
 
 
 def test_serve_refuses_a_port_in_use_before_loading_the_model(capsys):

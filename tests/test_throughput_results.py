@@ -74,6 +74,10 @@ def test_replacing_a_group_the_file_never_measured_is_refused_and_changes_nothin
     with pytest.raises(SystemExit, match="interleaved its policies another way"):  # the file's rows took turns
         throughput.replace_groups("throughput", {**new, "rows": [_row("a", 1, "none", 9.0)],
                                                  "interleave": "progress"}, command="c", note=None)
+    with pytest.raises(SystemExit, match="priced a step's rows by the roofline; pass --row-table-rows 0"):
+        throughput.replace_groups("throughput", {**new, "rows": [_row("a", 1, "none", 9.0)],
+                                                 "step_model": {"row_seconds": [0.0, 1e-3, 2e-3]}}, command="c",
+                                  note=None)
     with pytest.raises(SystemExit, match="--prefill-chunk 0"):  # the file's rows prefilled whole prompts
         throughput.replace_groups("throughput", {**new, "rows": [_row("a", 1, "none", 9.0)],
                                                  "prefill_chunk": 256}, command="c", note=None)

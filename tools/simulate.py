@@ -90,6 +90,7 @@ class Deployment:
     host_overhead: tuple[float, float] = (0.0, 0.0)
     prefix_caching: bool = True  # prompts reuse earlier requests' full KV blocks (both real engines do by default)
     attention_layout: str = "packed"  # the engine's (`StepTimeModel.attention_layout`): TensorRT-LLM packs
+    row_seconds: tuple[float, ...] | None = None  # a measured row table (`StepTimeModel.row_seconds`), or roofline rows
     # where it verifies: on a "gpu" the orchestrator may split the batch into micro-batches that take turns, one
     # drafted on the host while another is verified (`simulate(micro_batches=...)`); on the "cpu" it never does
     device: str = "gpu"
@@ -99,7 +100,7 @@ class Deployment:
         coefficients = None if chosen is None else np.asarray(chosen, dtype=np.float64)
         # a grouped engine (`TorchEngine`) prices an attention call by its device ("gpu" here is CUDA)
         return StepTimeModel(self.shape, self.hardware, dtype=self.dtype, coefficients=coefficients,
-                             attention_layout=self.attention_layout,
+                             attention_layout=self.attention_layout, row_seconds=self.row_seconds,
                              attention_call_cost=call_cost_for("cuda" if self.device == "gpu" else self.device))
 
 

@@ -43,6 +43,9 @@ def _config_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--hardware", default="measure", help="measure (profile at start-up), nominal, a known name "
                    "(H100-SXM, ...) or a profile JSON")
     g.add_argument("--no-fit", action="store_true", help="skip the start-up fit of the step-time model")
+    g.add_argument("--row-table-rows", type=row_table_rows_arg, default=0,
+                   help="price a step's rows by a table of 1..N rows measured at start-up (0: the roofline's; "
+                        "for GEMM libraries whose cost steps in the rows, such as oneDNN's AMX kernels)")
     g.add_argument("--max-body-bytes", type=int_at_least(INT_FLOORS["max_body_bytes"]), default=1 << 20)
     g.add_argument("--draft-timeout-ms", type=draft_timeout_ms_arg, default=None,
                    help="a drafting call slower than this makes its step plain decoding (default: no timeout)")
@@ -87,6 +90,17 @@ def draft_timeout_ms_arg(text: str) -> float:
     if not ms > 0:  # NaN too
         raise argparse.ArgumentTypeError(f"expected milliseconds > 0 (leave it out for no timeout), got {text!r}")
     return ms
+
+
+def row_table_rows_arg(text: str) -> int:
+    """A --row-table-rows argument: 0 (the roofline prices rows) or a table of 2 or more rows."""
+    try:
+        rows = int(text)
+    except ValueError:
+        rows = -1
+    if rows < 0 or rows == 1:
+        raise argparse.ArgumentTypeError(f"expected 0 (no row table) or a whole number of rows >= 2, got {text!r}")
+    return rows
 
 
 def prefill_chunk_arg(text: str) -> int | str | None:
@@ -148,6 +162,7 @@ def _config(args):
                          num_blocks=args.num_blocks, max_context=args.max_context,
                          datastores=None if args.datastore is None else tuple(args.datastore), policy=args.policy,
                          max_running=args.max_running, hardware=args.hardware, fit_step_model=not args.no_fit,
+                         row_table_rows=args.row_table_rows,
                          max_body_bytes=args.max_body_bytes,
                          draft_timeout_s=None if args.draft_timeout_ms is None else args.draft_timeout_ms / 1e3,
                          micro_batches=args.micro_batches, prefill_chunk=args.prefill_chunk)

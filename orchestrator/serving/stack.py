@@ -82,6 +82,8 @@ class ServingConfig:
     max_running: int = 32
     hardware: str = "measure"
     fit_step_model: bool = True  # a few seconds of verify steps at start-up to fit this engine's constants
+    # rows of a measured row table the fit prices rows by (`orchestrator.profiling.fit_step_model`); 0: roofline rows
+    row_table_rows: int = 0
     torch_threads: int | None = None  # torch's CPU threads (TorchEngine's: None keeps the CPU's, 1 on a GPU)
     cpu_kernels: str = "auto"  # bf16 on the CPU: where TorchEngine runs its numba kernels (its `cpu_kernels`)
     prefix_caching: bool | None = None  # reuse earlier prompts' KV blocks (TorchEngine's; None: where exact)
@@ -102,6 +104,9 @@ class ServingConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{name} must be an int >= {least}{' (or None)' if optional else ''}; got {value!r}")
+        if isinstance(self.row_table_rows, bool) or not isinstance(self.row_table_rows, int) or \
+                self.row_table_rows < 0 or self.row_table_rows == 1:
+            raise ValueError(f"row_table_rows must be 0 (no row table) or an int >= 2; got {self.row_table_rows!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16; got {self.dtype!r}")
         check_cpu_kernels(self.cpu_kernels)
@@ -196,7 +201,7 @@ class ServingStack:
             if config.fit_step_model:
                 from orchestrator.profiling import fit_step_model
 
-                fit_step_model(engine, step_model, repeats=1)
+                fit_step_model(engine, step_model, repeats=1, table_rows=config.row_table_rows)
             policy = BudgetPolicy.parse(config.policy, max_nodes_per_request=config.max_nodes_per_request)
             return MeteredOrchestrator(engine, drafter, BudgetController(policy, step_model), tokenizer=tokenizer,
                                        max_running=config.max_running, metrics=metrics,
