@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from benchmarks.results_files import result_name_problem, save_results
-from benchmarks.throughput import PolicyRun, _summarize_run, build_stack, group_sample, interleave
+from benchmarks.throughput import PolicyRun, summarize_run, build_stack, group_sample, interleave
 from drafter.tree import DraftTree
 from orchestrator.profiling import ROW_TABLE_ROWS, fit_step_model
 from orchestrator.roofline import StepTimeModel
@@ -95,7 +95,7 @@ def serve_rows(engine, drafter, models: dict[str, StepTimeModel], prompts, lengt
                            lengths=lengths, tag=tag, prefill_chunk=chunk)
             for tag, policy, form in ROWS}
     interleave(list(runs.values()))
-    return {tag: _summarize_run(run) for tag, run in runs.items()}
+    return {tag: summarize_run(run) for tag, run in runs.items()}
 
 
 def run(sets: list[str], caps: list[int], *, held_out: int, max_tokens: int, prompts_per_cap) -> dict:

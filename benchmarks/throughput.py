@@ -186,7 +186,7 @@ def serve_side_by_side(engine, drafter, step_model, policies: list[str], prompts
                          lengths=lengths, prefill_chunk=prefill_chunk, sampling=sampling)
             for p in policies}
     interleave(list(runs.values()))
-    return {p: _summarize_run(r) for p, r in runs.items()}
+    return {p: summarize_run(r) for p, r in runs.items()}
 
 
 def interleave(runs: list[PolicyRun]) -> None:
@@ -204,7 +204,7 @@ def serve(engine, drafter, step_model, policy: str, prompts: list[np.ndarray], *
                               prefill_chunk=prefill_chunk, sampling=sampling)[policy]
 
 
-def _summarize_run(run: PolicyRun) -> dict:
+def summarize_run(run: PolicyRun) -> dict:
     ids, outputs, steps, orchestrator = run.ids, run.outputs, run.steps, run.orchestrator
     wall = run.elapsed
     latencies = np.array([run.finished[i] for i in ids])

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from drafter.tree import DraftTree
-from orchestrator.roofline import HardwareSpec, StepTimeModel
+from orchestrator.roofline import HardwareSpec, StepTimeModel, check_row_table_rows
 from trt_engines.base import TargetEngine, VerifyItem
 
 
@@ -46,9 +46,7 @@ def fit_step_model(
     both forms side by side."""
     rng = np.random.default_rng(seed)
     synthetic = hasattr(engine, "add_synthetic_request")  # random KV instead of a real prefill: same cost
-    if table_rows < 0 or table_rows == 1:
-        raise ValueError(f"table_rows must be 0 (no row table) or >= 2; got {table_rows}")
-    if table_rows:
+    if check_row_table_rows(table_rows):
         # at least ROW_TABLE_ROUNDS rounds even for a quick start-up fit: an entry from one round is one step's
         # difference, and a burst of background load during it would read as a cliff the budget then steers around
         model.set_row_seconds(measure_row_seconds(engine, rows=table_rows, rounds=max(repeats, ROW_TABLE_ROUNDS),
@@ -92,9 +90,9 @@ def measure_row_seconds(engine: TargetEngine, *, rows: int = ROW_TABLE_ROWS, con
     (`StepTimeModel.row_seconds`): one request at `context` cached tokens verifying a chain of T - 1 nodes. Every
     size runs once per round, the order rotating, after a warm-up round; each entry is the median over rounds of
     its step's time minus that round's one-row step, so background load that slows a whole round cancels out,
-    then the median of each entry and its two neighbours: on the shared 2-core Zen 4 host, 3 rounds still priced 2
-    rows at 1.38 plain steps and 3 at 1.05 (a burst in two of them), and a median of three removes such a lone spike
-    where it keeps the edge of a real step (oneDNN's 16 -> 17 rows on a Xeon holds for many rows in a row).
+    then the median of each entry and its two neighbours: on a shared host a burst of load can still land on one
+    size in most rounds, and a median of three removes such a lone spike where it keeps the edge of a real step
+    (oneDNN's 16 -> 17 rows on a Xeon holds for many rows in a row).
     None where the engine cannot hold `context + rows` tokens for one request (then the roofline prices rows)."""
     if rows < 2 or rounds < 1:
         raise ValueError(f"a row table needs rows >= 2 and rounds >= 1; got rows={rows}, rounds={rounds}")

@@ -184,13 +184,11 @@ class StepTimeModel:
         if self.coefficients is None:
             self.coefficients = np.array([self.hardware.overhead_s, 1.0, 1.0, 1.0, 0.0, 0.0])
         self.coefficients = step_coefficients(self.coefficients)
-        self._row_table = row_table(self.row_seconds)
-        if self.row_seconds is not None:
-            self.row_seconds = np.array(self.row_seconds, dtype=np.float64)
         self._compute_rates()
         self._samples = deque(maxlen=self.window)
         self._anchors: list[tuple[np.ndarray, float]] = []  # the start-up calibration sweep (`fit`), kept for refits
         self._observed = 0
+        self.set_row_seconds(self.row_seconds)
 
     # -- roofline terms (seconds), vectorised over the leading axis of their arguments ---------------------------
     # The budget controller prices a dozen candidate steps per step, so each operator's max(FLOPs / peak,
@@ -459,6 +457,13 @@ def _batch_attention(rates, n_layers, tokens, context, one_call):
     for i in range(n):
         attention += _attention_one(rates, n_layers, tokens[i], context[i])
     return attention
+
+
+def check_row_table_rows(rows, name: str = "table_rows") -> int:
+    """A row table's length as the options that ask for one take it: 0 (none: the roofline prices rows) or >= 2."""
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0 or rows == 1:
+        raise ValueError(f"{name} must be 0 (no row table) or an int >= 2; got {rows!r}")
+    return rows
 
 
 def row_table(row_seconds) -> np.ndarray:

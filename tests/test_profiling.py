@@ -115,7 +115,7 @@ def test_row_table_is_measured_on_the_engine_and_the_fit_reads_it():
                                      dtype="float32")
     before = model.coefficients.copy()
     for bad in (1, -2):  # refused before anything is measured; the model keeps its pricing
-        with pytest.raises(ValueError, match=f"table_rows must be 0 \\(no row table\\) or >= 2; got {bad}"):
+        with pytest.raises(ValueError, match=f"table_rows must be 0 \\(no row table\\) or an int >= 2; got {bad}"):
             fit_step_model(engine, model, table_rows=bad)
     assert model.row_seconds is None and np.array_equal(model.coefficients, before)
     error = fit_step_model(engine, model, batches=(1, 2), nodes=(0, 7), contexts=(32,), repeats=1, table_rows=8)

@@ -93,14 +93,15 @@ def draft_timeout_ms_arg(text: str) -> float:
 
 
 def row_table_rows_arg(text: str) -> int:
-    """A --row-table-rows argument: 0 (the roofline prices rows) or a table of 2 or more rows."""
+    """A --row-table-rows argument: 0 (the roofline prices rows) or a table of 2 or more rows
+    (`orchestrator.roofline.check_row_table_rows`, which the config and the fit apply too)."""
+    from orchestrator.roofline import check_row_table_rows
+
     try:
-        rows = int(text)
+        return check_row_table_rows(int(text))
     except ValueError:
-        rows = -1
-    if rows < 0 or rows == 1:
-        raise argparse.ArgumentTypeError(f"expected 0 (no row table) or a whole number of rows >= 2, got {text!r}")
-    return rows
+        raise argparse.ArgumentTypeError(f"expected 0 (no row table) or a whole number of rows >= 2, "
+                                         f"got {text!r}") from None
 
 
 def prefill_chunk_arg(text: str) -> int | str | None:

@@ -29,7 +29,7 @@ from datastore.paths import default_datastore_dir
 from orchestrator.budget import BudgetController, BudgetPolicy
 from orchestrator.core import Orchestrator, OutputCallback, StepRecord, check_micro_batches, check_prefill_chunk
 from orchestrator.request import GenerationRequest, RequestOutput
-from orchestrator.roofline import HardwareSpec, ModelShape, StepTimeModel, hardware
+from orchestrator.roofline import HardwareSpec, ModelShape, StepTimeModel, check_row_table_rows, hardware
 from orchestrator.runner import OrchestratorRunner
 from orchestrator.serving.metrics import ServingMetrics
 from trt_engines.base import InvalidField, SamplingParams, check_cpu_kernels
@@ -104,9 +104,7 @@ class ServingConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{name} must be an int >= {least}{' (or None)' if optional else ''}; got {value!r}")
-        if isinstance(self.row_table_rows, bool) or not isinstance(self.row_table_rows, int) or \
-                self.row_table_rows < 0 or self.row_table_rows == 1:
-            raise ValueError(f"row_table_rows must be 0 (no row table) or an int >= 2; got {self.row_table_rows!r}")
+        check_row_table_rows(self.row_table_rows, "row_table_rows")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16; got {self.dtype!r}")
         check_cpu_kernels(self.cpu_kernels)
