@@ -30,7 +30,8 @@ from benchmarks.plotting import panels_by_set
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 NAMES = ("datastore", "verify_cost", "linear_rows", "cpu_attention", "prefill_attention", "attention_calls",
-         "acceptance", "draft_batch", "throughput_amx", "throughput", "throughput_avx2", "throughput_sampled",
+         "acceptance", "draft_batch", "throughput_amx", "throughput", "throughput_avx2", "throughput_zen2",
+         "throughput_sampled",
          "batch_invariance", "prefix_cache",
          "chunked_prefill", "serving", "serving_avx2", "thread_pools", "compile_time", "simulator_validation",
          "projection", "gpu_verify_cost", "gpu_orchestrator")
@@ -80,7 +81,7 @@ def headline_rows(results: dict[str, dict]) -> list[tuple[str, str, str, str]]:
         s = results["draft_batch"]["summary"]
         rows.append(("draft() p50 for 64 requests at budget 32, ms", _fmt(s.get("draft_ms_p50_batch64_b32")), "<= 3",
                      "draft_batch"))
-    for name in ("throughput_amx", "throughput", "throughput_avx2", "throughput_sampled"):
+    for name in ("throughput_amx", "throughput", "throughput_avx2", "throughput_zen2", "throughput_sampled"):
         if name in results:
             rows.extend(_throughput_rows(results[name], name))
     if "batch_invariance" in results:

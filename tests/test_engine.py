@@ -629,8 +629,13 @@ def test_auto_kernels_run_pytorchs_linear_layers_only_where_amx_backs_them():
     from trt_engines.torch_engine import TorchEngine
 
     with open("/proc/cpuinfo") as f:
-        flags = next(line.split(":", 1)[1].split() for line in f if line.startswith("flags"))
+        lines = f.read().splitlines()
+    flags = next(line.split(":", 1)[1].split() for line in lines if line.startswith("flags"))
     expected = "attention" if "amx_bf16" in flags else "numba"
+    # results name the CPU's generation too: a cloud VM's "AMD EPYC" alone does not tell Zen 2 from Zen 4
+    family = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("cpu family")), None)
+    if family is not None:
+        assert f"family {family} model " in cpu_description()
     assert auto_cpu_kernels() == expected
     assert ("AMX" in cpu_description()) == ("avx512_bf16" in flags or "amx_bf16" in flags)
     # the description names the linear layers "auto" runs (a run on an AMX Xeon once said numba's)

@@ -161,13 +161,38 @@ def bf16_bits(t: Tensor) -> np.ndarray:
 
 
 @functools.cache
-def _cpu_flags() -> frozenset[str] | None:
-    """This CPU's feature flags from /proc/cpuinfo (None where there is none: not Linux)."""
+def _cpu_info() -> dict[str, str] | None:
+    """The first processor's fields in /proc/cpuinfo ("flags", "model name", "cpu family", ...; None where there is
+    none: not Linux)."""
     try:
         with open("/proc/cpuinfo") as f:
-            return frozenset(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
+            text = f.read()
     except OSError:
         return None
+    fields: dict[str, str] = {}
+    for line in text.split("\n\n", 1)[0].splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            fields[key.strip()] = value.strip()
+    return fields
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str] | None:
+    """This CPU's feature flags from /proc/cpuinfo (None where there is none: not Linux)."""
+    info = _cpu_info()
+    return None if info is None else frozenset(info.get("flags", "").split())
+
+
+def _cpu_model() -> str | None:
+    """The CPU's name with its family and model numbers, as lscpu shows them ("AMD EPYC, family 23 model 49"):
+    a cloud VM's name alone can hide which generation it is, and results on two generations differ."""
+    info = _cpu_info()
+    if not info or "model name" not in info:
+        return None
+    numbers = (f", family {info['cpu family']} model {info['model']}"
+               if "cpu family" in info and "model" in info else "")
+    return info["model name"] + numbers
 
 
 def cpu_has_native_bf16() -> bool:
@@ -199,16 +224,18 @@ def auto_cpu_kernels() -> str:
 
 
 def cpu_description() -> str:
-    """This CPU as CPU benchmarks quote it: architecture, cores, PyTorch's vector ISA, its bf16 instructions (which
-    decide where "auto" runs these kernels: `auto_cpu_kernels`) and whose linear layers "auto" runs there (on an AMX
-    Xeon PyTorch's, though its VDPBF16PS would serve the numba ones too)."""
+    """This CPU as CPU benchmarks quote it: architecture, cores, name, family and model (`_cpu_model`), PyTorch's
+    vector ISA, its bf16 instructions (which decide where "auto" runs these kernels: `auto_cpu_kernels`) and whose
+    linear layers "auto" runs there (on an AMX Xeon PyTorch's, though its VDPBF16PS would serve the numba ones too)."""
     bf16 = ("bf16 dot products and AMX" if cpu_has_amx_bf16() else "bf16 dot products, no AMX" if cpu_has_native_bf16()
             else "no bf16 dot-product instructions")
     if auto_cpu_kernels() == "attention":
         bf16 += "; PyTorch's linear layers"
     elif BF16_DOT_PRODUCTS:
         bf16 += "; numba linear layers on VDPBF16PS"
-    return f"{platform.machine()} {os.cpu_count()} cores ({torch.backends.cpu.get_cpu_capability()}, {bf16})"
+    model = _cpu_model()
+    return (f"{platform.machine()} {os.cpu_count()} cores{f', {model}' if model else ''} "
+            f"({torch.backends.cpu.get_cpu_capability()}, {bf16})")
 
 
 @njit(inline="always")
