@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -39,18 +40,24 @@ def fit_step_model(
     run, then the median of `repeats` runs per point), fit `model`; return the median relative error of the fitted
     model on those points.
 
-    No table by default: on the Zen 4 EPYC (numba's linear kernels, whose cost is close to a line in the rows) a
-    48-row table served goodput at 1.000x (median; 0.988-1.006x) the roofline's rows and predicted held-out steps
-    no better (8.4% against 7.9%; `benchmarks/results/row_table.md`). It is for GEMM libraries that price rows in
-    steps (oneDNN's AMX kernels, `verify_rows_amx_oneoff.md`), where `python -m benchmarks.row_table` measures
-    both forms side by side."""
+    No table by default: on a Zen 4 and a Zen 2 EPYC (numba's linear kernels, whose cost is close to a line in the
+    rows) a 48-row table served goodput at 1.000x and 1.003x (medians; 0.988x at worst on both) the roofline's rows
+    and predicted held-out steps about as well (8.4% against 7.9%, 2.8% against 3.3%; `benchmarks/results/
+    row_table.md`, `row_table_avx2.md`). It is for GEMM libraries that price rows in steps (oneDNN's AMX kernels,
+    `verify_rows_amx_oneoff.md`), where `python -m benchmarks.row_table` measures both forms side by side. Where
+    the engine cannot hold the table's steps it warns and keeps the roofline's rows."""
     rng = np.random.default_rng(seed)
     synthetic = hasattr(engine, "add_synthetic_request")  # random KV instead of a real prefill: same cost
     if check_row_table_rows(table_rows):
         # at least ROW_TABLE_ROUNDS rounds even for a quick start-up fit: an entry from one round is one step's
         # difference, and a burst of background load during it would read as a cliff the budget then steers around
-        model.set_row_seconds(measure_row_seconds(engine, rows=table_rows, rounds=max(repeats, ROW_TABLE_ROUNDS),
-                                                  seed=seed))
+        table = measure_row_seconds(engine, rows=table_rows, rounds=max(repeats, ROW_TABLE_ROUNDS), seed=seed)
+        if table is None:  # asked for, so say why the model prices rows by the roofline after all
+            warnings.warn(f"no row table: the engine cannot hold {ROW_TABLE_CONTEXT} cached tokens + {table_rows} "
+                          f"rows for one request (max_context {engine.max_context}, {engine.free_blocks()} free "
+                          "blocks); the roofline prices rows. Lower table_rows (--row-table-rows) or give the "
+                          "engine more room", RuntimeWarning, stacklevel=2)
+        model.set_row_seconds(table)
     samples = []
     for batch, context in itertools.product(batches, contexts):
         ids = [f"__profile-{batch}-{context}-{i}" for i in range(batch)]

@@ -28,8 +28,8 @@ than 17-32 (`benchmarks/results/verify_rows_amx_oneoff.md`); a line through thos
 sends trees over the cliff.
 The table's feature is the measured extra seconds of a step of T rows over one of one row (one request at a short
 context), beyond the table at its upper half's slope; the fit still scales it (host speed moves between minutes).
-Off by default: where the cost is close to a line (numba's kernels on a Zen 4 EPYC) the roofline did as well
-(`benchmarks/results/row_table.md`).
+Off by default: where the cost is close to a line (numba's kernels on a Zen 4 and a Zen 2 EPYC) the roofline did as
+well (`benchmarks/results/row_table.md`, `row_table_avx2.md`).
 
 In the linear operators b (requests) and s (tokens per request) appear only as T = b*s: below the ridge
 T* = peak * dtype_bytes / (2 * bandwidth) they are memory-bound and extra tokens are nearly free. `free_budget()` is
@@ -365,10 +365,10 @@ def _attention_one(rates, n_layers, tokens, context):
 
 
 @nb.njit(cache=True)
-def prefix_step_seconds(rates, rows, n_layers, padded, coefficients, context, attention_calls, candidate_context,
-                        candidate_rank):
+def prefix_step_seconds(rates, rows_table, n_layers, padded, coefficients, context, attention_calls,
+                        candidate_context, candidate_rank):
     """`StepTimeModel.prefix_seconds`: each prefix's feature row (`_prefix_features`) times the coefficients."""
-    features = _prefix_features(rates, rows, n_layers, context, padded, attention_calls, candidate_context,
+    features = _prefix_features(rates, rows_table, n_layers, context, padded, attention_calls, candidate_context,
                                 candidate_rank)
     seconds = np.empty(features.shape[0])
     for k in range(features.shape[0]):

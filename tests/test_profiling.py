@@ -123,3 +123,8 @@ def test_row_table_is_measured_on_the_engine_and_the_fit_reads_it():
     assert engine.free_blocks() == free and not engine.requests
     short = TorchEngine("default", dtype=torch.float32, num_blocks=16, max_context=40)
     assert measure_row_seconds(short, rows=8) is None  # 32 cached tokens + 8 rows do not fit in 40
+    # a fit that asked for a table it cannot measure says so, and prices rows by the roofline
+    on_short = StepTimeModel.for_engine(short, SMOLLM2, HardwareSpec("cpu", {"float32": 1e11}, 2e10), dtype="float32")
+    with pytest.warns(RuntimeWarning, match="no row table: the engine cannot hold 32 cached tokens \\+ 8 rows"):
+        fit_step_model(short, on_short, batches=(1,), nodes=(0, 3), contexts=(16,), repeats=1, table_rows=8)
+    assert on_short.row_seconds is None and not short.requests
