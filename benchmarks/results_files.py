@@ -3,12 +3,34 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+_REPOSITORY = RESULTS.parent.parent
+
+
+@functools.cache
+def code_revision() -> str | None:
+    """The commit of the checkout a benchmark runs from (git HEAD), with "+dirty" where tracked files other than
+    benchmarks/results differ from it; None outside a git checkout (or without git). Cached, and asked for when this
+    module is imported, so a run records the code it started with even if the checkout moves on while it runs."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(_REPOSITORY), *args], capture_output=True, text=True, check=True,
+                              timeout=30).stdout.strip()
+    try:
+        head = git("rev-parse", "--verify", "HEAD")
+        changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)benchmarks/results")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+dirty" if changed else "")
+
+
+code_revision()
 
 
 def result_name_problem(name: str) -> str | None:
@@ -20,8 +42,10 @@ def result_name_problem(name: str) -> str | None:
 
 
 def save_results(name: str, result: dict, write_markdown: Callable[[Path, dict], None]) -> Path:
-    """Write `results/<name>.json` and, through `write_markdown(path, result)`, `results/<name>.md`; returns the .md."""
+    """Write `results/<name>.json` and, through `write_markdown(path, result)`, `results/<name>.md`; returns the .md.
+    The JSON records `code_revision` (the commit that ran, `code_revision()`) unless `result` names one already."""
     RESULTS.mkdir(parents=True, exist_ok=True)
+    result = {**result, "code_revision": result.get("code_revision", code_revision())}
     (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     markdown = RESULTS / f"{name}.md"
     write_markdown(markdown, result)

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from benchmarks.plotting import panels_by_set
-from benchmarks.results_files import RESULTS, result_name_problem, save_results
+from benchmarks.results_files import RESULTS, code_revision, result_name_problem, save_results
 from datastore import Datastore
 from datastore.paths import default_datastore_dir
 from drafter.drafter import Drafter, DrafterConfig
@@ -593,8 +593,10 @@ def replace_groups(name: str, new: dict, *, command: str, note: str | None) -> d
         outputs = {k: arrays[k] for k in arrays.files if not any(k.startswith(f"{s}_{c}_") for s, c in groups)}
     outputs.update(new["outputs"])
     np.savez_compressed(outputs_path, **outputs)
+    old.setdefault("code_revision", None)  # measured before results files named their commit: unknown, not this one
     old.setdefault("replaced_groups", []).append({"groups": [list(g) for g in groups], "command": command,
-                                                  "rounds": new.get("rounds", 1), "seconds": new["seconds"], "note": note})
+                                                  "rounds": new.get("rounds", 1), "seconds": new["seconds"], "note": note,
+                                                  "code_revision": code_revision()})
     old["summary"] = summarize(old, list(dict.fromkeys(r["set"] for r in old["rows"])))
     return old
 

@@ -4,11 +4,13 @@ everything else stays, and the file says what was replaced."""
 from __future__ import annotations
 
 import json
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from benchmarks import throughput
+from benchmarks import results_files, throughput
 from tests.test_benchmark_options import refused_before_running
 from tools.trajectories import spread
 
@@ -46,7 +48,9 @@ def test_replaced_groups_swap_in_place_and_are_recorded(tmp_path, monkeypatch):
     assert {(d["set"], d["cap"]) for d in merged["bf16_divergences"]} == {("a", 16), ("b", 1)}
     assert merged["summary"]["goodput_vs_best_fixed_min"] == pytest.approx(11.0 / 12.0)  # from the kept groups
     assert merged["replaced_groups"] == [{"groups": [["a", 1]], "command": "python -m benchmarks.throughput --caps 1",
-                                          "rounds": 3, "seconds": 3.0, "note": "disturbed"}]
+                                          "rounds": 3, "seconds": 3.0, "note": "disturbed",
+                                          "code_revision": results_files.code_revision()}]
+    assert merged["code_revision"] is None  # the old file did not name its commit: not claimed to be this one
     with np.load(tmp_path / "throughput_outputs.npz") as arrays:
         assert sorted(arrays.files) == ["a_16_goodput_tokens", "a_16_none_tokens", "a_1_goodput_tokens",
                                         "b_1_goodput_tokens", "b_1_none_tokens"]
@@ -129,3 +133,21 @@ def test_a_replacement_the_file_cannot_take_is_refused_before_measuring(tmp_path
                                          ["--sets", "mtbench", "--replace-groups", *argv])
         assert message in refused
     assert (tmp_path / "throughput.json").read_text() == before
+
+
+def test_a_results_file_names_the_commit_that_ran(tmp_path, monkeypatch):
+    monkeypatch.setattr(results_files, "RESULTS", tmp_path)
+    head = subprocess.run(["git", "-C", str(Path(results_files.__file__).parents[1]), "rev-parse", "HEAD"],
+                          capture_output=True, text=True)
+    if head.returncode != 0:
+        pytest.skip("not a git checkout")
+
+    def markdown(path, result):
+        path.write_text(f"rev {result['code_revision']}")
+
+    results_files.save_results("r", {"x": 1}, markdown)
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["x"] == 1 and saved["code_revision"].removesuffix("+dirty") == head.stdout.strip()
+    assert (tmp_path / "r.md").read_text() == f"rev {saved['code_revision']}"
+    results_files.save_results("s", {"code_revision": None}, markdown)  # a file that names its own stays as it is
+    assert json.loads((tmp_path / "s.json").read_text())["code_revision"] is None
