@@ -47,6 +47,17 @@ def test_headline_numbers_are_read_from_the_results(tmp_path):
     assert not report.update_readme(rows, plain) and plain.read_text() == "no markers\n"
 
 
+def test_a_run_without_cap_1_or_the_fp32_check_has_no_rows_for_them():
+    run = {"machine": "x86_64 2 cores", "rows": [{"cap": 4}, {"cap": 32}],
+           "summary": {"goodput_vs_none_min": 0.9991, "goodput_vs_best_fixed_min": 1.02,
+                       "step_model_median_abs_err": 0.03, "identical_outputs_fraction": None, "bf16_divergences": 0}}
+    rows = report.headline_rows({"throughput_zen2_c4_32": run})
+    assert [r[0].split(" (")[0] for r in rows] == [
+        "goodput / none, min over caps and sets", "goodput / best fixed policy, min over caps and sets",
+        "step-time model median relative error", "bf16 outputs differing from plain decoding, all speculating rows"]
+    assert rows[0][1] == "0.999" and "caps 4, 32)" in rows[0][0]
+
+
 def test_a_broken_results_file_is_named(tmp_path):
     (tmp_path / "throughput.json").write_text("{not json")
     with pytest.raises(ValueError, match="throughput.json"):
