@@ -17,7 +17,6 @@ benchmarks/results/attention_calls.{json,md} (`attention_calls_cuda.*` on a GPU)
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import statistics
 from pathlib import Path
@@ -25,10 +24,10 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.gpu_verify_cost import bushy_tree, random_weight_config
+from benchmarks.results_files import RESULTS, write_results_json
 from trt_engines.attention_groups import call_cost_for, plan_attention_groups
 from trt_engines.base import VerifyItem
 
-RESULTS = Path(__file__).parent / "results"
 CANDIDATES = {"cpu": (1024.0, 4096.0, 8192.0, 16384.0, float("inf")),
               "cuda": (8192.0, 65536.0, 2.0**19, 2.0**21, float("inf"))}
 
@@ -118,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = "attention_calls" if args.device == "cpu" else f"attention_calls_{args.device}"
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
+    write_results_json(out / f"{stem}.json", result, indent=1)
     (out / f"{stem}.md").write_text(markdown(result))
     print(markdown(result))
     return 0

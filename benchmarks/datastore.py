@@ -28,9 +28,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.results_files import code_revision  # noqa: E402 - after the path (run as a script); the commit that ran
+from benchmarks.results_files import RESULTS, write_results_json  # noqa: E402 - after the path (run as a script)
 
-RESULTS = ROOT / "benchmarks" / "results"
 GOALS = {"bytes_per_token": 6.0, "sa_build_tokens_per_s": 3e6, "query_p50_us_batch64": 10.0,
          "continuations_p50_us_batch64": 30.0}
 
@@ -314,10 +313,9 @@ def run_quick() -> None:
 
 def write_results(name: str, rows: list[dict], summary: dict, mode: str) -> None:
     meta = {"mode": mode, "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-            "python": platform.python_version(), "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "notes": NOTES,
-            "code_revision": code_revision()}
+            "python": platform.python_version(), "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "notes": NOTES}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps({"summary": summary, "rows": rows, "meta": meta}, indent=2))
+    write_results_json(RESULTS / f"{name}.json", {"summary": summary, "rows": rows, "meta": meta})
     md = markdown(rows, summary, meta)
     (RESULTS / f"{name}.md").write_text(md)
     print(md)

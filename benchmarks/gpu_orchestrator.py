@@ -35,15 +35,13 @@ after the lossless part and after each cap, so a run stopped by a time limit kee
 from __future__ import annotations
 
 import argparse
-import json
-import time
 from pathlib import Path
 
 import numpy as np
 
 from benchmarks.gpu_verify_cost import datasheet_for, random_weight_config
+from benchmarks.results_files import RESULTS, write_results_json
 
-RESULTS = Path(__file__).resolve().parent / "results"
 LOSSLESS_RUNS = (("none", 1), ("fixed:4", 1), ("fixed:16", 1), ("roofline", 1), ("goodput", 1),
                  ("fixed:4", 2), ("goodput", 2), ("goodput", None))
 SPEED_RUNS = (("none", 1), ("fixed:4", 1), ("fixed:16", 1), ("goodput", 1), ("goodput", None), ("goodput", 2))
@@ -344,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     def save(speed_part: dict | None = None) -> None:  # after each part and cap: a run stopped by a time limit
         if speed_part is not None:                       # keeps what it measured
             result["speed"] = speed_part
-        (out / "gpu_orchestrator.json").write_text(json.dumps(result, indent=2) + "\n")
+        write_results_json(out / "gpu_orchestrator.json", result)
         write_markdown(out / "gpu_orchestrator.md", result)
 
     result["lossless"] = lossless(device, requests=6 if args.quick else 16, max_tokens=16 if args.quick else 64)

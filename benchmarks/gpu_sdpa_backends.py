@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.gpu_orchestrator import RESULTS, answers_datastore, build, repeating_prompts, serve_together
+from benchmarks.results_files import write_results_json
 
 CHOICES = ("engine", "pytorch")  # SHAPE_STABLE_SDPA_BACKENDS / PyTorch's own priority order
 POLICIES = ("none", "fixed:4")
@@ -179,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     result.update(measure(args.device, model_name, tuple(args.caps), max_tokens))
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_sdpa_backends.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_results_json(out / "gpu_sdpa_backends.json", result)
     write_markdown(out / "gpu_sdpa_backends.md", result)
     print((out / "gpu_sdpa_backends.md").read_text())
     return 0

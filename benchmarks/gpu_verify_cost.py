@@ -32,7 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from benchmarks.results_files import RESULTS, write_results_json
+
 BATCHES = (1, 4, 16, 32, 64)
 NODES = (0, 1, 3, 7, 15, 31, 63)
 CONTEXTS = (512, 2048, 8192)
@@ -426,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     result["command"] = " ".join(["python -m benchmarks.gpu_verify_cost", *flags])
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_verify_cost.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_results_json(out / "gpu_verify_cost.json", result)
     write_markdown(out / "gpu_verify_cost.md", result)
     if profiles_text:
         (out / "gpu_profile.txt").write_text("\n".join(profiles_text))

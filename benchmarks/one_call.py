@@ -16,7 +16,6 @@ Writes benchmarks/results/one_call.json and .md.
 
 from __future__ import annotations
 
-import statistics
 import time
 from pathlib import Path
 

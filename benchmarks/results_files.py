@@ -41,12 +41,19 @@ def result_name_problem(name: str) -> str | None:
     return f"{name!r}: a file name in benchmarks/results (letters, digits, '_', '.', '-')"
 
 
-def save_results(name: str, result: dict, write_markdown: Callable[[Path, dict], None]) -> Path:
-    """Write `results/<name>.json` and, through `write_markdown(path, result)`, `results/<name>.md`; returns the .md.
-    The JSON records `code_revision` (the commit that ran, `code_revision()`) unless `result` names one already."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
+def write_results_json(path: Path, result: dict, *, indent: int = 2) -> dict:
+    """Write a benchmark's results JSON to `path`, with `code_revision` (the commit that ran, `code_revision()`)
+    unless `result` names one already; returns what was written. Every results JSON goes through here."""
     result = {**result, "code_revision": result.get("code_revision", code_revision())}
-    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    path.write_text(json.dumps(result, indent=indent) + "\n")
+    return result
+
+
+def save_results(name: str, result: dict, write_markdown: Callable[[Path, dict], None]) -> Path:
+    """Write `results/<name>.json` (`write_results_json`) and, through `write_markdown(path, result)`,
+    `results/<name>.md`; returns the .md."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    result = write_results_json(RESULTS / f"{name}.json", result)
     markdown = RESULTS / f"{name}.md"
     write_markdown(markdown, result)
     return markdown

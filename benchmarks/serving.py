@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.results_files import RESULTS, result_name_problem
+from benchmarks.results_files import RESULTS, result_name_problem, write_results_json
 from orchestrator.serving.stack import ServingConfig, ServingStack
 from orchestrator.serving.triton_server import TritonPorts, start_triton
 from trt_engines.cpu_kernels import cpu_description
@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpu": cpu_description(),
         "wall_s": time.time() - started}}
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=2))
+    write_results_json(RESULTS / f"{args.out}.json", result)
     write_markdown(result, RESULTS / f"{args.out}.md")
     print(json.dumps(summary, indent=2))
     return 0

@@ -25,12 +25,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script (`python benchmarks/verify_cost.py`)
+from benchmarks.results_files import RESULTS, write_results_json  # noqa: E402
 from drafter.tree import DraftTree
 from orchestrator.spec_loop import generate
 from trt_engines.base import VerifyItem
@@ -42,7 +45,6 @@ BATCHES = (1, 4, 16, 32)
 NODES = (0, 1, 2, 4, 8, 16, 32, 64)
 CONTEXTS = (128, 512, 2048)
 MAX_TOKENS_PER_STEP = 1100  # skip batch x (nodes + 1) beyond this: > ~5 s per call on 2 cores
-RESULTS = Path(__file__).parent / "results"
 
 
 def random_tree(n: int, rng: np.random.Generator) -> DraftTree:
@@ -236,11 +238,9 @@ def main() -> None:
         "nodes_meaning": "draft-tree nodes per request; each request feeds root + nodes tokens (nodes 0 = plain step)",
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "verify_cost.json").write_text(json.dumps(
-        {"summary": summary, "meta": meta, "decode": decode, "paired_b1_ctx512": paired,
-         "paired_compute_probe_us": probes, "grid": rows, "fp32_grid": fp32_rows, "skipped": skipped},
-        indent=2,
-    ))
+    write_results_json(RESULTS / "verify_cost.json",
+                       {"summary": summary, "meta": meta, "decode": decode, "paired_b1_ctx512": paired,
+                        "paired_compute_probe_us": probes, "grid": rows, "fp32_grid": fp32_rows, "skipped": skipped})
     (RESULTS / "verify_cost.md").write_text(_markdown(summary, meta, rows, skipped))
     print(json.dumps(summary, indent=2))
 

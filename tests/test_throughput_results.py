@@ -151,3 +151,6 @@ def test_a_results_file_names_the_commit_that_ran(tmp_path, monkeypatch):
     assert (tmp_path / "r.md").read_text() == f"rev {saved['code_revision']}"
     results_files.save_results("s", {"code_revision": None}, markdown)  # a file that names its own stays as it is
     assert json.loads((tmp_path / "s.json").read_text())["code_revision"] is None
+    # the benchmarks that write their JSON elsewhere (GPU ones to --out-dir) go through the same function
+    written = results_files.write_results_json(tmp_path / "gpu.json", {"y": 2}, indent=1)
+    assert json.loads((tmp_path / "gpu.json").read_text()) == written == {"y": 2, "code_revision": saved["code_revision"]}

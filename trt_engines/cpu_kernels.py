@@ -758,9 +758,10 @@ def _tiles_per_pass_overload(b, rows, from_memory):
     1.11-1.19x the unpaired 3 x 2 pass's time over the model's linear layers; with one tile, 0.98-1.11x (four
     paired A/B runs, AVX2 EPYC: this host's noise). A paired 3 x 2 pass that fits the 16 registers by broadcasting
     each row's value afresh at every use (an asm block apiece, which LLVM cannot merge; no spills in its loop) was no
-    faster: over the model's linear layers three rows took 0.98-1.02x four rows' time with it, 0.99-1.00x with one
-    tile (three fresh-process pairs of 20 interleaved rounds, the same bits; a one-off at 5cb0ed2, 2-core Zen 2
-    EPYC). There the weight stream, not the chains' latency, sets a three-row pass's time.
+    faster: over the model's linear layers three rows took 0.979-1.015x four rows' time with it, 0.985-0.998x with
+    one tile (three fresh-process pairs of 20 interleaved rounds, the same bits; a one-off at 5cb0ed2, 2-core Zen 2
+    EPYC, `benchmarks/results/zen2_oneoffs.txt`). There the weight stream, not the chains' latency, sets a
+    three-row pass's time.
 
     Over bf16 pairs (VDPBF16PS: a 3D b), two or three rows that stream their weights from memory (`from_memory`: all
     of a call's rows, not the rest after full groups of TILE_ROWS, whose tiles come from cache) take one tile a pass
