@@ -42,7 +42,10 @@ Closed loop (`observe`, called by the orchestrator after every step):
   request on an H100 whose drafter found a chain one step in 16 drafted on about half its steps and ran at 0.95x
   `fixed:16`'s tokens/s (`gpu_orchestrator_cap1_4a6d7bb.md`); averaged over 32, 1.00x (`gpu_orchestrator.md`).
   On the AVX2 CPU, side by side in the throughput benchmark (caps 1, 4 and 16 of every set; a one-off,
-  `gain_window_ab_*.md`), 32 ran at 0.990-1.067x the tokens/s of 5, median 1.006;
+  `gain_window_ab_*.md`), 32 ran at 0.990-1.067x the tokens/s of 5, median 1.006. A probe drafts every running
+  request: probing one in four halved the drafting at MT-Bench cap 16 on the Zen 2 (1.001x) but lost 1-2% at
+  chitchat and grounded cap 16, where the nodes that pay at saturation come from a few requests that such a probe
+  mostly misses (`zen2_oneoffs.txt` §8);
 - drafting cap: the next step drafts at most twice the largest tree the controller just chose (at least 8), so large
   batches do not draft 64 nodes per request to send two;
 - marginal cost: goodput hinges on what the speculated tokens add to a plain step, which a global least-squares fit

@@ -27,7 +27,10 @@ prompt-grounded set, long chains copied from the prompt are accepted at their ca
 at the same probability miss more. A deep child can thus map above its parent; `tree_values` caps every node at its
 parent's value, so that ranking a tree's nodes by value keeps each node's ancestors ahead of it (ties go to the
 lower, parents-first, index) and any prefix of the ranking is a tree.
-Steps that verify nothing still decay the sums: without evidence the maps drift back to the calibration.
+Steps that verify nothing still decay the sums: without evidence the maps drift back to the calibration. Where
+speculation rarely pays (MT-Bench at cap 16 on the Zen 2: a probe every ~33 steps) that leaves a third of the last
+probe's evidence for the next; decaying at a quarter of the rate on such steps, or not at all, ran at 1.001x and
+1.000x over ten interleaved rounds (`benchmarks/results/zen2_oneoffs.txt` §7), so the forgetting stays simple.
 """
 
 from __future__ import annotations
