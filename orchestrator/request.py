@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from enum import Enum
 
 from trt_engines.base import InvalidField, SamplingParams
@@ -90,6 +91,16 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+def merged_output(outputs: Sequence[RequestOutput]) -> RequestOutput:
+    """A request's updates as one, for a client that asked for the whole output at once: every token, text delta
+    and log probability in order, and the last update's finish reason, statistics and error."""
+    if not outputs:
+        raise ValueError("merged_output needs at least one update")
+    logprobs = None if all(o.logprobs is None for o in outputs) else [e for o in outputs for e in o.logprobs or []]
+    return replace(outputs[-1], token_ids=[t for o in outputs for t in o.token_ids],
+                   text="".join(o.text for o in outputs), logprobs=logprobs)
 
 
 class IncrementalDetokenizer:

@@ -144,6 +144,12 @@ def test_exported_repository_serves_in_the_bundled_stock_tritonserver(tmp_path):
             finish = result.as_numpy("finish_reason")[0].decode()
         assert [row[0] for row in top_ids] == reference and all(len(row) == 2 for row in top_ids)
         assert len(chosen) == 8 and max(chosen) <= 0
+        client.async_stream_infer("retrospec_generate", [tensor("input_ids", np.array(prompt, np.int32)),
+                                                         tensor("max_tokens", np.array([8], np.int32)),
+                                                         tensor("stream", np.array([False]))])
+        result, error = results.get(timeout=120)  # stream=false: the whole output in one response, then no more
+        assert error is None and result.as_numpy("output_ids").tolist() == reference
+        assert result.as_numpy("finish_reason")[0] in (b"stop", b"length")
         client.async_stream_infer("retrospec_generate", [tensor("input_ids", np.array([], np.int32).reshape(0))])
         _, error = results.get(timeout=60)
         assert error is not None and "empty" in str(error)

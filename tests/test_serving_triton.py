@@ -10,6 +10,7 @@ import sysconfig
 import threading
 import time
 
+import httpx
 import numpy as np
 import pytest
 
@@ -57,13 +58,14 @@ def stream_generate(url: str, inputs: dict[str, np.ndarray], *, timeout: float =
     client.start_stream(callback=lambda result, error: results.put((result, error)))
     try:
         client.async_stream_infer("retrospec_generate", [tensor(grpcclient, k, v) for k, v in inputs.items()])
-        out = {"tokens": [], "text": "", "finish": "", "error": None}
+        out = {"tokens": [], "text": "", "finish": "", "error": None, "responses": 0}
         deadline = time.monotonic() + timeout
         while not out["finish"]:
             result, error = results.get(timeout=max(0.1, deadline - time.monotonic()))
             if error is not None:
                 out["error"] = error
                 break
+            out["responses"] += 1
             out["tokens"] += result.as_numpy("output_ids").tolist()
             out["text"] += result.as_numpy("text_output")[0].decode()
             out["finish"] = result.as_numpy("finish_reason")[0].decode()
@@ -99,6 +101,29 @@ def test_generate_streams_greedy_output_with_statistics(server):
                                                  "max_tokens": np.array([MAX_TOKENS], np.int32),
                                                  "cache_salt": np.array([b"tenant-1"], np.object_)})
     assert by_text["tokens"] == server["reference"][0]
+
+
+def test_stream_false_sends_the_whole_output_as_one_response_which_http_generate_needs(server):
+    # Triton's HTTP `generate` endpoint refuses a model's second response; with stream=false the model sends one,
+    # the same tokens, text, statistics and log probabilities the stream would have brought in pieces.
+    stack, reference = server["stack"], server["reference"][1]
+    body = {"text_input": PROMPTS[1], "max_tokens": MAX_TOKENS, "stream": False, "logprobs": 1}
+    response = httpx.post(f"http://127.0.0.1:{server['ports'].http}/v2/models/retrospec_generate/generate",
+                          json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    whole = response.json()
+    assert whole["output_ids"] == reference and whole["text_output"] == stack.tokenizer.decode(reference)
+    assert whole["finish_reason"] in ("stop", "length") and whole["steps"] >= 1
+    assert len(whole["output_log_probs"]) == len(reference) and whole["top_logprob_ids"] == reference  # greedy
+    ids = np.asarray(server["prompts"][1], np.int32)
+    inputs = {"input_ids": ids, "max_tokens": np.array([MAX_TOKENS], np.int32)}
+    once = stream_generate(grpc_url(server), {**inputs, "stream": np.array([False])})
+    streamed = stream_generate(grpc_url(server), {**inputs, "stream": np.array([True])})
+    assert once["error"] is None and once["responses"] == 1 and once["tokens"] == reference
+    assert streamed["tokens"] == reference and streamed["responses"] > 1
+    bad = httpx.post(f"http://127.0.0.1:{server['ports'].http}/v2/models/retrospec_generate/generate",
+                     json={**body, "max_tokens": 0}, timeout=60)
+    assert bad.status_code == 400 and "max_tokens" in bad.json()["error"]
 
 
 def test_generate_streams_log_probabilities_per_output_token_where_asked(server):

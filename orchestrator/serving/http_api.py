@@ -40,7 +40,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from orchestrator.request import FinishReason, GenerationRequest, RequestOutput, TokenLogprob
+from orchestrator.request import FinishReason, GenerationRequest, RequestOutput, TokenLogprob, merged_output
 from orchestrator.serving.stack import ServingStack
 from trt_engines.base import MAX_LOGPROBS, InvalidField
 
@@ -293,16 +293,9 @@ async def _respond(stack: ServingStack, body: dict, gen: GenerationRequest, *, c
         return StreamingResponse(_sse_closing(all_outputs(), stack, rid, created, model, gen, chat=chat,
                                               include_usage=_include_usage(body)),
                                  media_type="text/event-stream")
-    tokens: list[int] = []
-    logprobs: list[TokenLogprob] = []
-    text = ""
-    final = first
     async with aclosing(all_outputs()) as stream:
-        async for out in stream:
-            tokens += out.token_ids
-            logprobs += out.logprobs or []
-            text += out.text
-            final = out
+        final = merged_output([out async for out in stream])
+    tokens, logprobs, text = final.token_ids, final.logprobs or [], final.text
     if final.finish_reason == FinishReason.ERROR:
         raise ApiError(500 if final.server_error else 400, final.error or "the request failed",
                        kind=_error_kind(final))

@@ -36,6 +36,7 @@ GENERATE_INPUTS = [
     ("top_p", "TYPE_FP32", "1", True), ("top_k", "TYPE_INT32", "1", True), ("seed", "TYPE_INT64", "1", True),
     ("stop", "TYPE_STRING", "-1", True), ("tpot_ms", "TYPE_FP32", "1", True), ("ignore_eos", "TYPE_BOOL", "1", True),
     ("cache_salt", "TYPE_STRING", "1", True), ("logprobs", "TYPE_INT32", "1", True),
+    ("stream", "TYPE_BOOL", "1", True),
 ]
 # (name, Triton type, dims); the last three only in the responses of a request that sent `logprobs`
 GENERATE_OUTPUTS = [

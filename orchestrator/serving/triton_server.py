@@ -2,11 +2,13 @@
 
 Models:
 
-`retrospec_generate` (decoupled: one response per streamed update)
+`retrospec_generate` (decoupled: one response per streamed update, or with stream=false one for the whole output)
     inputs   text_input BYTES[1] | input_ids INT32[-1] (one of them), max_tokens INT32[1], temperature FP32[1],
              top_p FP32[1], top_k INT32[1], seed INT64[1], stop BYTES[-1], tpot_ms FP32[1], ignore_eos BOOL[1],
-             cache_salt BYTES[1] (prefix-cache namespace), logprobs INT32[1] (k in 0..20: return log probabilities)
-             (all optional but the prompt; defaults: 16 tokens, greedy, no log probabilities)
+             cache_salt BYTES[1] (prefix-cache namespace), logprobs INT32[1] (k in 0..20: return log probabilities),
+             stream BOOL[1] (false: one response when the request finishes, which Triton's HTTP `generate`
+             endpoint needs: it refuses a model's second response)
+             (all optional but the prompt; defaults: 16 tokens, greedy, no log probabilities, streamed)
     outputs  output_ids INT32[-1] and text_output BYTES[1] (the delta), finish_reason BYTES[1] ("" until the last
              response: stop | length | cancelled), steps INT32[1], accepted_tokens INT32[1], tokens_per_step FP32[1]
              (request statistics so far; final on the last response); with `logprobs`, per token of output_ids:
@@ -48,7 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
-from orchestrator.request import FinishReason, RequestOutput
+from orchestrator.request import FinishReason, RequestOutput, merged_output
 from orchestrator.serving.draft_service import DraftService
 from orchestrator.serving.stack import ServingStack, make_drafter
 from orchestrator.serving.triton_repo import DRAFT_INPUTS, DRAFT_OUTPUTS, GENERATE_INPUTS, GENERATE_OUTPUTS
@@ -124,6 +126,7 @@ class GenerateModel:
             raise ValueError(f"{GENERATE_MODEL} takes one request per call; got {len(requests)}")
         try:
             request = self.stack_request(requests[0])
+            streamed = wants_stream(requests[0])
         except ValueError as exc:
             self.stack.metrics.rejected.labels(frontend="triton").inc()
             # as a plain ValueError, which the client and the log get as its message alone (_BadInputInOneLine; the
@@ -132,13 +135,19 @@ class GenerateModel:
         key = (requests[0].parameters or {}).get(CANCEL_KEY_PARAMETER)
         if self.was_cancelled(key):
             return
+        updates = []  # not streamed: every update, sent as one response when the request finishes
         async for out in self.stack.stream(request, frontend="triton",
                                            request_id=None if key is None else _request_id(key)):
             if self.was_cancelled(key):
                 return  # the client is gone: leaving the stream cancels the request (if it is still running)
             if out.finish_reason == FinishReason.ERROR:
                 raise ValueError(out.error or "the request failed")
-            yield [generate_outputs(out, logprobs=request.sampling.logprobs)]
+            if streamed:
+                yield [generate_outputs(out, logprobs=request.sampling.logprobs)]
+            else:
+                updates.append(out)
+        if updates:
+            yield [generate_outputs(merged_output(updates), logprobs=request.sampling.logprobs)]
 
     def stack_request(self, req):
         limit = self.stack.config.max_body_bytes
@@ -175,6 +184,12 @@ class GenerateModel:
             cache_salt=salt,
             logprobs=None if logprobs is None else _as_int(logprobs),
         )
+
+
+def wants_stream(req) -> bool:
+    """Whether a `retrospec_generate` request asked for its updates as they come (`stream`, default true) or for one
+    response with the whole output."""
+    return bool(_scalar(req, "stream", True))
 
 
 def generate_outputs(out: RequestOutput, *, logprobs: int | None) -> dict[str, np.ndarray]:

@@ -16,11 +16,14 @@ class TritonPythonModel:
                 sys.path.insert(0, path)
         from orchestrator.serving.stack import ServingConfig, ServingStack
         from orchestrator.serving.triton_repo import GENERATE_INPUTS, backend_request, error_response
-        from orchestrator.serving.triton_server import GenerateModel, generate_outputs
+        from orchestrator.request import merged_output
+        from orchestrator.serving.triton_server import GenerateModel, generate_outputs, wants_stream
 
         self._request = lambda request: backend_request(pb_utils, request, GENERATE_INPUTS)
         self._error = lambda exc: error_response(pb_utils, exc)
         self._outputs = generate_outputs
+        self._merged = merged_output
+        self._wants_stream = wants_stream
 
         self.stack = ServingStack.build(ServingConfig(**json.loads(params["serving_config"])))
         self.model = GenerateModel(self.stack)
@@ -30,16 +33,18 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                generation = self.model.stack_request(self._request(request))
+                inputs = self._request(request)
+                generation = self.model.stack_request(inputs)
                 rid = f"triton-{uuid.uuid4().hex}"
                 k = generation.sampling.logprobs
-                self.stack.submit(generation, lambda out, sender=sender, rid=rid, k=k: self._send(sender, out, rid, k),
-                                  frontend="triton", request_id=rid)
+                updates = None if self._wants_stream(inputs) else []  # not streamed: sent as one when finished
+                self.stack.submit(generation, lambda out, sender=sender, rid=rid, k=k, updates=updates:
+                                  self._send(sender, out, rid, k, updates), frontend="triton", request_id=rid)
             except (ValueError, RuntimeError) as exc:  # bad input or shutting down: this request only
                 sender.send(self._error(exc), flags=final)
         return None
 
-    def _send(self, sender, out, request_id, logprobs):
+    def _send(self, sender, out, request_id, logprobs, updates):
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         if sender.is_cancelled():  # the client cancelled its request or closed its stream
             if not out.finished:  # stop generating: the runner cancels it and frees its KV blocks
@@ -53,6 +58,11 @@ class TritonPythonModel:
         if out.error is not None:
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(out.error)), flags=final)
             return
+        if updates is not None:
+            updates.append(out)
+            if not out.finished:
+                return
+            out = self._merged(updates)
         tensors = [pb_utils.Tensor(name, array) for name, array in self._outputs(out, logprobs=logprobs).items()]
         sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=final if out.finished else 0)
 
