@@ -1,6 +1,6 @@
-"""Use `retrospec serve --triton` over HTTP: the drafting service with tritonclient.http, and a streamed
-generation through Triton's HTTP generate_stream endpoint (server-sent events; tritonclient.http has no decoupled
-streaming call, the generate extension does).
+"""Use `retrospec serve --triton` over HTTP: the drafting service with tritonclient.http, a streamed generation
+through Triton's HTTP generate_stream endpoint (server-sent events; tritonclient.http has no decoupled streaming
+call, the generate extension does), and one answered whole by the generate endpoint (`"stream": false`).
 
     python examples/triton_http_client.py --url 127.0.0.1:8000
 """
@@ -47,6 +47,18 @@ def generate_stream(url: str, prompt: str, max_tokens: int) -> None:
                     print(f"\n[{event['finish_reason']}] tokens/step {event.get('tokens_per_step')}")
 
 
+def generate_whole(url: str, prompt: str, max_tokens: int) -> None:
+    """Triton's generate endpoint takes one response: the model sends the whole output as one with stream false."""
+    body = json.dumps({"text_input": prompt, "max_tokens": max_tokens, "stream": False}).encode()
+    request = urllib.request.Request(f"http://{url}/v2/models/retrospec_generate/generate", data=body,
+                                     headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        answer = json.loads(response.read())
+    if "error" in answer:
+        raise RuntimeError(f"generate failed: {answer['error']}")
+    print(f"whole output: {answer['text_output']!r} [{answer['finish_reason']}] {len(answer['output_ids'])} tokens")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--url", default="127.0.0.1:8000")
@@ -67,6 +79,7 @@ def main() -> int:
     finally:
         client.close()
     generate_stream(args.url, args.prompt, args.max_tokens)
+    generate_whole(args.url, args.prompt, args.max_tokens)
     return 0
 
 

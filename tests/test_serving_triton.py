@@ -296,7 +296,7 @@ def test_client_examples_run_against_the_server(server, script):
     assert run.returncode == 0, run.stderr[-2000:]
     assert "[length]" in run.stdout or "[stop]" in run.stdout
     if "http" in script:
-        assert "draft tree:" in run.stdout and "best path" in run.stdout
+        assert "draft tree:" in run.stdout and "best path" in run.stdout and "whole output:" in run.stdout
 
 
 def test_a_client_that_cancels_its_stream_cancels_the_generation_and_frees_kv(server):
