@@ -111,7 +111,6 @@ import numpy as np
 from drafter.tree import DraftTree
 from orchestrator.recalibration import OnlineRecalibration, recalibrated_values
 from orchestrator.roofline import StepTimeModel, prefix_step_seconds
-from trt_engines.attention_groups import MAX_GROUPS
 
 _SSSD_KNEES = (16, 32, 48, 64, 96, 128, 160, 192)
 _SSSD_SPEC_LENGTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32)

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import socket
 import sysconfig
 import threading
