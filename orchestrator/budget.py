@@ -45,7 +45,10 @@ Closed loop (`observe`, called by the orchestrator after every step):
   `gain_window_ab_*.md`), 32 ran at 0.990-1.067x the tokens/s of 5, median 1.006. A probe drafts every running
   request: probing one in four halved the drafting at MT-Bench cap 16 on the Zen 2 (1.001x) but lost 1-2% at
   chitchat and grounded cap 16, where the nodes that pay at saturation come from a few requests that such a probe
-  mostly misses (`zen2_oneoffs.txt` §8);
+  mostly misses (`zen2_oneoffs.txt` §8). The average is of predicted gains: speculating steps at MT-Bench cap 16 on
+  the Zen 4 realized 0.85-0.92 of the tokens they predicted, so there the average stays positive and every step
+  drafts (about 1% of the time). Averaging each drafted step's gain less its token shortfall instead started the
+  back-off there (1.010x) but lost 2% at chitchat cap 16 (`zen4_oneoffs.txt` §1, §4): the probes' trade again;
 - drafting cap: the next step drafts at most twice the largest tree the controller just chose (at least 8), so large
   batches do not draft 64 nodes per request to send two;
 - marginal cost: goodput hinges on what the speculated tokens add to a plain step, which a global least-squares fit
