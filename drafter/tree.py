@@ -215,14 +215,11 @@ class DraftTree:
 
         Duplicate siblings: always the first, never "whichever continues longest". Under sampling each node's target
         token is an independent draw; choosing a branch by its later draws would bias the output."""
-        path: list[int] = []
-        current = -1  # the root
-        while True:
-            children = np.flatnonzero((self.parents == current) & (self.tokens == target_tokens[current + 1]))
-            if children.size == 0:
-                return np.asarray(path, dtype=np.int32)
-            current = int(children[0])
-            path.append(current)
+        target = np.asarray(target_tokens, dtype=np.int64).reshape(-1)
+        if target.shape[0] < len(self) + 1:
+            raise ValueError(f"target_tokens has {target.shape[0]} entries; a tree of {len(self)} nodes needs "
+                             f"{len(self) + 1} (root + nodes)")
+        return accept_walk(self.parents, self.tokens, target)[0]
 
     def path_to(self, node: int) -> np.ndarray:
         """Node indices from the root's child down to `node` (inclusive)."""
@@ -241,6 +238,35 @@ def _read_only_empty_tree() -> DraftTree:
 
 
 _EMPTY_TREE = _read_only_empty_tree()
+
+
+@nb.njit(cache=True, boundscheck=False)
+def accept_walk(parents: np.ndarray, tokens: np.ndarray, target: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`DraftTree.accepted_path` (int32 [a]) and the tokens the step yields (int32 [a + 1]: the accepted nodes' tokens,
+    then the target's token after the last of them, the bonus). One compiled walk: it runs for every request of every
+    step, where a numpy pass over the tree per accepted token cost 5 us for an empty tree and 16 us for a chain of 8
+    with 3 accepted (2-core Zen 4 EPYC). Parents come before their children, so a node's children lie after it."""
+    n = parents.shape[0]
+    path = np.empty(n, np.int32)
+    accepted = 0
+    current = -1  # the root
+    while True:
+        want = target[current + 1]
+        child = -1
+        for i in range(current + 1, n):
+            if parents[i] == current and tokens[i] == want:
+                child = i
+                break
+        if child < 0:
+            break
+        path[accepted] = child
+        accepted += 1
+        current = child
+    new_tokens = np.empty(accepted + 1, np.int32)
+    for j in range(accepted):
+        new_tokens[j] = tokens[path[j]]
+    new_tokens[accepted] = target[current + 1]
+    return path[:accepted].copy(), new_tokens
 
 
 @nb.njit(cache=True)

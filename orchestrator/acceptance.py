@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from drafter.tree import DraftTree
+from drafter.tree import DraftTree, accept_walk
 
 
 @dataclass(frozen=True)
@@ -40,8 +40,5 @@ def accept(tree: DraftTree, target_tokens) -> Acceptance:
     n = len(tree)
     if target.shape[0] != n + 1:
         raise ValueError(f"target_tokens has {target.shape[0]} entries; a tree of {n} nodes needs {n + 1} (root + nodes)")
-    accepted = tree.accepted_path(target)
-    current = int(accepted[-1]) if accepted.size else -1
-    bonus = int(target[current + 1])
-    new_tokens = np.concatenate([tree.tokens[accepted], [bonus]]).astype(np.int32)
-    return Acceptance(accepted_nodes=accepted, bonus_token=bonus, new_tokens=new_tokens)
+    accepted, new_tokens = accept_walk(tree.parents, tree.tokens, np.asarray(target, dtype=np.int64))
+    return Acceptance(accepted_nodes=accepted, bonus_token=int(new_tokens[-1]), new_tokens=new_tokens)

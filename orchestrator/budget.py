@@ -48,7 +48,10 @@ Closed loop (`observe`, called by the orchestrator after every step):
   mostly misses (`zen2_oneoffs.txt` §8). The average is of predicted gains: speculating steps at MT-Bench cap 16 on
   the Zen 4 realized 0.85-0.92 of the tokens they predicted, so there the average stays positive and every step
   drafts (about 1% of the time). Averaging each drafted step's gain less its token shortfall instead started the
-  back-off there (1.010x) but lost 2% at chitchat cap 16 (`zen4_oneoffs.txt` §1, §4): the probes' trade again;
+  back-off there (1.010x) but lost 2% at chitchat cap 16 (`zen4_oneoffs.txt` §1, §4): the probes' trade again.
+  Backing off single requests (those whose drafts the allocation left out 8 steps in a row, past the roofline's
+  knee) cut the drafting by 10-60% and moved throughput by -0.6% to +1.0% at cap 16, inside the ratio's run-to-run
+  spread, and lost 4-6% at MT-Bench cap 4, below the knee (§7): not kept;
 - drafting cap: the next step drafts at most twice the largest tree the controller just chose (at least 8), so large
   batches do not draft 64 nodes per request to send two;
 - marginal cost: goodput hinges on what the speculated tokens add to a plain step, which a global least-squares fit

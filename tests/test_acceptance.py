@@ -50,6 +50,7 @@ def test_accept_matches_brute_force(case):
     assert acc.bonus_token == bonus
     assert acc.new_tokens.tolist() == tree.tokens[path].tolist() + [bonus]
     assert acc.new_tokens.dtype == np.int32 and acc.accepted_nodes.dtype == np.int32
+    assert tree.accepted_path(target).tolist() == path  # the walk engines use for per-token data: the same nodes
 
 
 def test_docstring_example():
@@ -68,3 +69,5 @@ def test_empty_tree_gives_only_the_bonus():
 def test_wrong_target_length_is_rejected():
     with pytest.raises(ValueError, match="needs 3"):
         accept(DraftTree.chain([1, 2]), [1, 2])
+    with pytest.raises(ValueError, match="needs 3"):  # the compiled walk reads without bounds checks: never short
+        DraftTree.chain([1, 2]).accepted_path(np.array([1, 2]))
