@@ -482,3 +482,24 @@ def test_a_process_that_compiles_the_kernels_and_one_that_loads_them_from_numbas
     assert list(cache.rglob("*_tree_attention_kernel*.nbi")), "the first run cached no attention kernel"
     loading = _Run(_DECODE_BITS, [], kernel_runs["cache_env"], kernel_runs["folder"] / "loading.log")
     assert _digest(loading.output()) == compiled
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(1, 7), min_size=1, max_size=5), st.integers(0, 2**32 - 1))
+def test_layout_reach_and_runs_follow_their_definition(sizes, seed):
+    # per packed row: `reach` is the last new token of its segment it sees, `one_run` whether it sees all of them
+    # up to there (its keys then go as one run); masks of any shape, each row seeing itself
+    rng = np.random.default_rng(seed)
+    segments, first = [], 0
+    for k in sizes:
+        mask = rng.random((k, k)) < 0.5
+        mask[np.arange(k), np.arange(k)] = True
+        segments.append((first, 3, np.arange(3 + k, dtype=np.int32), mask))
+        first += k
+    layout = TreeAttentionLayout(segments)
+    for first, _, _, mask in segments:
+        for i, row in enumerate(mask):
+            last = int(np.flatnonzero(row).max())
+            assert layout.reach[first + i] == last
+            assert layout.one_run[first + i] == int(row[: last + 1].all())
+    assert layout.key_slots.dtype == np.int64 and layout.mask.dtype == np.uint8

@@ -1404,6 +1404,26 @@ def _attention_tasks(segment_rows: np.ndarray, kv_heads: int, group: int, worker
     return columns[0], columns[1], columns[2], columns[3]
 
 
+@njit(cache=_CACHE)
+def _reach_and_runs(mask, mask_start, row_start, rows, packed_rows):
+    """`TreeAttentionLayout`'s `reach` and `one_run` per packed row, from the segments' flat masks. Compiled: two numpy
+    calls per segment cost about 5 us each, 80 us of a batch-16 plain step (2-core Zen 4 EPYC)."""
+    reach = np.zeros(packed_rows, np.int64)
+    one_run = np.zeros(packed_rows, np.uint8)
+    for s in range(rows.shape[0]):
+        k, base, first = rows[s], mask_start[s], row_start[s]
+        for i in range(k):
+            last, seen = k - 1, 0  # a row that saw nothing would reach the last token, as argmax of no True gives
+            for j in range(k - 1, -1, -1):
+                if mask[base + i * k + j]:
+                    if seen == 0:
+                        last = j
+                    seen += 1
+            reach[first + i] = last
+            one_run[first + i] = seen == last + 1
+    return reach, one_run
+
+
 class TreeAttentionLayout:
     """Where each segment of a packed forward finds its rows, keys and mask (built once per forward, read by every
     layer's `tree_attention`). `segments`: (first packed row, context length, flat slots of its keys
@@ -1414,19 +1434,15 @@ class TreeAttentionLayout:
         self.row_start = np.array([r for r, _, _, _ in segments], np.int64)
         self.rows = np.array(n, np.int64)
         self.ctx = np.array([c for _, c, _, _ in segments], np.int64)
-        self.key_slots = np.concatenate([s.astype(np.int64) for _, _, s, _ in segments])
+        self.key_slots = np.concatenate([s for _, _, s, _ in segments], dtype=np.int64)
         self.key_start = np.concatenate([[0], np.cumsum([len(s) for _, _, s, _ in segments])[:-1]]).astype(np.int64)
-        self.mask = np.concatenate([m.astype(np.uint8).reshape(-1) for _, _, _, m in segments])
+        self.mask = np.concatenate([m.reshape(-1) for _, _, _, m in segments]).astype(np.uint8, copy=False)
         self.mask_start = np.concatenate([[0], np.cumsum([k * k for k in n])[:-1]]).astype(np.int64)
         # per packed row (segments in row order), the last of its segment's new tokens it sees
-        reach = np.zeros(max((first + k for (first, _, _, _), k in zip(segments, n)), default=0), np.int64)
         # per packed row, 1 where it sees every new token of its segment up to its reach (a causal prefill's rows,
         # a chain's): the kernel then reads its keys as one run instead of through the mask
-        one_run = np.zeros(reach.shape[0], np.uint8)
-        for (first, _, _, m), k in zip(segments, n):
-            reach[first:first + k] = k - 1 - np.argmax(m[:, ::-1], axis=1)
-            one_run[first:first + k] = np.count_nonzero(m, axis=1) == reach[first:first + k] + 1
-        self.reach, self.one_run = reach, one_run
+        packed_rows = max((first + k for (first, _, _, _), k in zip(segments, n)), default=0)
+        self.reach, self.one_run = _reach_and_runs(self.mask, self.mask_start, self.row_start, self.rows, packed_rows)
         if not np.array_equal(self.key_start + self.ctx + self.rows, np.cumsum([len(s) for _, _, s, _ in segments])):
             raise ValueError("each segment needs the flat slots of its context and its new tokens (ctx + rows keys)")
         self._tasks: dict[tuple[int, int, int], tuple[np.ndarray, ...]] = {}
