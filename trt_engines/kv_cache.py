@@ -273,11 +273,13 @@ class PagedKVCache:
         return out.view(2, heads, n // heads * block_size, head_dim)
 
     def move(self, src: np.ndarray, dst: np.ndarray) -> None:
-        """Copy the K/V rows of flat slots `src` to `dst` in every layer (reads all sources before writing)."""
+        """Copy the K/V rows of flat slots `src` to `dst` in every layer (reads all sources before writing); nothing to
+        copy costs nothing (no tensors, no inference-mode guard)."""
         if len(src):
             src_t = torch.as_tensor(src, device=self.pool.device)
             dst_t = torch.as_tensor(dst, device=self.pool.device)
-            self._flat[:, :, :, dst_t] = self._flat[:, :, :, src_t]
+            with torch.inference_mode():
+                self._flat[:, :, :, dst_t] = self._flat[:, :, :, src_t]
 
     def gather(self, request_id, num_slots: int) -> Tensor:
         """[n_layers, 2, num_slots, n_kv_heads, head_dim] copy of the request's first `num_slots` slots (tests)."""

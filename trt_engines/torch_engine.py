@@ -680,22 +680,17 @@ class TorchEngine:
                     f"{int(tree.parents[node])}, expected {expected_parent}"
                 )
             expected_parent = node
-        if isinstance(next_root, bool) or not isinstance(next_root, (int, np.integer)) or not (
-                0 <= next_root < self.vocab_size):
-            self._check_ids(request_id, [next_root], "next_root")  # raises, naming the problem
+        self._check_id(request_id, next_root, "next_root")
         ctx = req.ctx_len
         if acc.size:  # the root's K/V is at slot ctx already: only accepted nodes may have to move
             slots = acc if req.slot_of is None else req.slot_of[acc]
             src = self.kv.flat_slots(request_id, ctx, ctx + len(tree) + 1)[np.concatenate([[0], slots + 1])]
             dst = self.kv.flat_slots(request_id, ctx, ctx + 1 + acc.size)
             moved = src != dst  # an accepted chain prefix is already in place
-            if moved.any():
-                with torch.inference_mode():
-                    self.kv.move(src[moved], dst[moved])
+            self.kv.move(src[moved], dst[moved])
         req.ctx_len = ctx + 1 + int(acc.size)
         if req.committed is not None:
-            req.committed.append(np.concatenate([[req.root], tree.tokens[acc]]).astype(np.int64) if acc.size
-                                 else np.array([req.root], np.int64))
+            req.committed.append(np.array([req.root, *tree.tokens[acc].tolist()], np.int64))
         self.kv.shrink(request_id, req.ctx_len)
         req.root = int(next_root)
         req.pending, req.slot_of = None, None
@@ -759,6 +754,11 @@ class TorchEngine:
             return self._requests[request_id]
         except (KeyError, TypeError):
             raise RequestError(request_id, "unknown request (never added, or already released)") from None
+
+    def _check_id(self, request_id, token, what: str) -> None:
+        """`_check_ids` for one token id: a plain int check, as every commit makes one for every request."""
+        if isinstance(token, bool) or not isinstance(token, (int, np.integer)) or not 0 <= token < self.vocab_size:
+            self._check_ids(request_id, [token], what)  # raises, naming the problem
 
     def _check_ids(self, request_id, ids, what: str) -> np.ndarray:
         try:
